@@ -1,0 +1,250 @@
+"""Tests for data sources, tokenizers, packing, the held-out split and the resumable loader."""
+
+import json
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline_parallel import data as D
+from pipeline_parallel import tokenizer as T
+from pipeline_parallel.tokenizer import EOS_TOKEN, get_tokenizer, load_tokenizer, train_bpe
+
+WORDS = "the quick brown fox jumps over a lazy dog while pipeline stages pass tensors along".split()
+
+
+def make_docs(n=40, words=60, seed=0):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) + f" doc{i}.\n" for i in range(n)]
+
+
+def write_texts(dir_, docs):
+    dir_.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (dir_ / f"doc{i:03d}.txt").write_text(doc)
+    return dir_
+
+
+# --- sources -------------------------------------------------------------------------------------
+
+
+def test_text_files_are_one_document_each(tmp_path):
+    (tmp_path / "a.txt").write_text("hello\nworld\n")
+    (tmp_path / "b.md").write_text("# title\n")
+    (tmp_path / "c.weird").write_text("named directly, so read as text")
+    sources = D.expand_sources([tmp_path / "a.txt", str(tmp_path / "b.md"), tmp_path / "c.weird"])
+    assert list(D.iter_documents(sources)) == ["hello\nworld\n", "# title\n", "named directly, so read as text"]
+
+
+def test_jsonl_with_custom_field(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"body": "first", "id": 1}) + "\n\n" + json.dumps({"body": "second"}) + "\n")
+    assert list(D.iter_documents(D.expand_sources(path), text_field="body")) == ["first", "second"]
+    with pytest.raises(ValueError, match="set text_field to one of"):
+        list(D.iter_documents(D.expand_sources(path)))  # default field "text" is missing
+
+
+def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("B")
+    (tmp_path / "a.py").write_text("A")
+    (tmp_path / "c.jsonl").write_text('{"text": "C"}\n')
+    (tmp_path / ".hidden.txt").write_text("no")
+    (tmp_path / ".git" / "x.txt").write_text("no")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    assert list(D.iter_documents(D.expand_sources(tmp_path))) == ["A", "C", "B"]
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["one", "", "two"], "n": [1, 2, 3]}), tmp_path / "d.parquet")
+    assert list(D.iter_documents(D.expand_sources(tmp_path), text_field="content")) == ["one", "two"]
+    with pytest.raises(ValueError, match="no column 'text'"):
+        list(D.iter_documents(D.expand_sources(tmp_path)))
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match="pip install pyarrow"):
+        list(D.iter_documents(D.expand_sources(tmp_path)))
+
+
+def test_hf_dataset_spec(monkeypatch):
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split))
+        return [{"text": "from hub"}, {"text": "again"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert list(D.iter_documents(D.expand_sources("hf:org/name:cfg"))) == ["from hub", "again"]
+    assert calls == [("org/name", "cfg", "train")]
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install datasets"):
+        list(D.iter_documents(["hf:org/name"]))
+
+
+def test_missing_path_and_empty_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        D.expand_sources(tmp_path / "nope.txt")
+    with pytest.raises(ValueError, match="no data files"):
+        D.expand_sources(tmp_path)
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+
+
+def test_trained_tokenizer_reloads_identically(tmp_path):
+    docs = make_docs()
+    tok = get_tokenizer(tmp_path, None, docs, vocab_size=300)
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert tok.vocab_size <= 300 and tok.eos_id == tok.backend.token_to_id(EOS_TOKEN)
+    # A second call must reuse the saved file, not train again on the texts.
+    again = get_tokenizer(tmp_path, None, iter(lambda: 1 / 0, None), vocab_size=300)
+    text = docs[0] + "ünïcödé 🙂"
+    assert again.encode(text) == tok.encode(text)
+    assert tok.decode(tok.encode(text)) == text  # byte-level: lossless
+    assert again.fingerprint() == tok.fingerprint()
+
+
+def test_transformers_tokenizer_directory(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(make_docs(), vocab_size=300)
+    PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=EOS_TOKEN).save_pretrained(tmp_path / "hf")
+    loaded = load_tokenizer(tmp_path / "hf")
+    assert loaded.hf is not None and loaded.eos_id == tok.eos_id
+    assert loaded.encode("the lazy dog") == tok.encode("the lazy dog")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+
+
+# --- packing, caching, split ---------------------------------------------------------------------
+
+
+def test_packing_shapes_and_shifted_labels(tmp_path):
+    docs = make_docs()
+    prepared = D.prepare_data(tmp_path / "run", write_texts(tmp_path / "txt", docs), seq_len=16, vocab_size=300)
+    tok = prepared.tokenizer
+    (cache,) = (tmp_path / "run").glob("tokens-*.uint16.bin")
+    stream = np.fromfile(cache, dtype=np.uint16)
+    assert (stream == tok.eos_id).sum() == len(docs) and stream[-1] == tok.eos_id  # EOS after each doc
+    assert stream[: len(tok.encode(docs[0])) + 1].tolist() == tok.encode(docs[0]) + [tok.eos_id]
+    assert len(prepared.train) + len(prepared.eval) == prepared.num_tokens // 17
+    x, y = next(D.TokenBatches(prepared.train, 4, seed=0))
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    seq = prepared.train[0]
+    assert seq.shape == (17,) and seq.tolist() == stream[prepared.train.rows[0] * 17 :][:17].tolist()
+
+
+def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
+    src = write_texts(tmp_path / "txt", make_docs())
+    first = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+    monkeypatch.setattr(T, "write_tokens", lambda *a, **k: pytest.fail("tokenised again"))
+    second = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+    assert second.num_tokens == first.num_tokens and torch.equal(second.train[np.arange(3)], first.train[np.arange(3)])
+    monkeypatch.undo()
+    capped = D.prepare_data(tmp_path / "run", src, seq_len=8, max_tokens=100)
+    assert capped.num_tokens == 100
+
+
+def test_held_out_split_is_disjoint_and_deterministic():
+    seqs = D.Sequences(np.arange(1000, dtype=np.uint16), seq_len=9)  # 100 sequences
+    train, held = D.split_sequences(seqs, 0.05)
+    assert len(held) == 5 and len(train) == 95
+    assert not set(train.rows) & set(held.rows) and set(train.rows) | set(held.rows) == set(range(100))
+    assert not set(train[np.arange(95)].flatten().tolist()) & set(held[np.arange(5)].flatten().tolist())
+    assert np.array_equal(D.split_sequences(seqs, 0.05)[1].rows, held.rows)
+    assert len(D.split_sequences(D.Sequences(np.arange(30), seq_len=9), 0.01)[1]) == 1  # at least one
+
+
+def test_errors_for_empty_and_too_little_data(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match="empty"):
+        D.prepare_data(tmp_path / "run1", tmp_path / "empty", seq_len=8, vocab_size=300)
+    assert not (tmp_path / "run1" / "tokenizer.json").exists()  # nothing half-made is kept
+    (tmp_path / "tiny.txt").write_text("tiny")
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        D.prepare_data(tmp_path / "run2", tmp_path / "tiny.txt", seq_len=64, vocab_size=300)
+    with pytest.raises(ValueError, match="set eval_fraction=0"):
+        D.split_sequences(D.Sequences(np.arange(10), seq_len=9), 0.01)
+    with pytest.raises(ValueError, match="fewer than batch_size"):
+        D.TokenBatches(torch.zeros(3, 9, dtype=torch.long), batch_size=4)
+
+
+# --- loader --------------------------------------------------------------------------------------
+
+
+def test_loader_resumes_exactly():
+    table = torch.arange(23 * 5).reshape(23, 5)
+    ref = D.TokenBatches(table, batch_size=4, seed=7)
+    expected = [next(ref) for _ in range(15)]  # 5 batches per epoch: crosses epochs twice
+    run = D.TokenBatches(table, batch_size=4, seed=7)
+    for _ in range(3):
+        next(run)
+    state = json.loads(json.dumps(run.state_dict()))
+    assert state == {"epoch": 0, "index": 12, "seed": 7, "num_sequences": 23}
+    resumed = D.TokenBatches(table, batch_size=4, seed=7)
+    resumed.load_state_dict(state)
+    for want in expected[3:]:
+        got = next(resumed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="same data"):
+        D.TokenBatches(table, batch_size=4, seed=8).load_state_dict(state)
+
+
+def test_loader_reshuffles_each_epoch_and_depends_only_on_seed():
+    table = torch.arange(16 * 3).reshape(16, 3)
+    firsts = lambda b, n: [next(b)[0][:, 0].tolist() for _ in range(n)]  # noqa: E731
+    epochs = firsts(D.TokenBatches(table, 4, seed=1), 8)
+    assert sorted(sum(epochs[:4], [])) == sorted(sum(epochs[4:], [])) == list(range(0, 48, 3))
+    assert epochs[:4] != epochs[4:]
+    assert firsts(D.TokenBatches(table, 4, seed=1), 8) == epochs
+    assert firsts(D.TokenBatches(table, 4, seed=2), 8) != epochs
+
+
+def test_pipeline_ranks_get_only_what_they_need_and_stay_in_sync():
+    table = torch.arange(10 * 5).reshape(10, 5)
+    full, first, middle, last = (
+        D.TokenBatches(table, 2, seed=3, need_inputs=i, need_labels=l)
+        for i, l in [(True, True), (True, False), (False, False), (False, True)]
+    )
+    for _ in range(7):
+        x, y = next(full)
+        ix, iy = next(first)
+        assert torch.equal(ix, x) and iy is None
+        fx, fy = next(middle)
+        assert fx is None and fy is None
+        lx, ly = next(last)
+        assert lx is None and torch.equal(ly, y)
+    assert full.state_dict() == first.state_dict() == middle.state_dict() == last.state_dict()
+
+
+def test_eval_batches_cover_held_out_in_order():
+    seqs = D.Sequences.from_table(torch.arange(7 * 4).reshape(7, 4))
+    batches = list(D.eval_batches(seqs, 3))
+    assert [x.shape[0] for x, _ in batches] == [3, 3, 1]
+    assert torch.equal(torch.cat([y for _, y in batches]), torch.arange(28).reshape(7, 4)[:, 1:])
+    assert len(list(D.eval_batches(seqs, 3, drop_last=True))) == 2
+    assert list(D.eval_batches(seqs, 3, need_inputs=False, need_labels=False))[0] == (None, None)
+
+
+# --- the offline default -------------------------------------------------------------------------
+
+
+def test_stdlib_default(tmp_path):
+    files = D.stdlib_files()
+    assert len(files) > 100 and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    prepared = D.prepare_data(tmp_path, seq_len=32, vocab_size=512, max_tokens=5000, tokenizer_train_chars=300_000)
+    assert prepared.num_tokens == 5000 and len(prepared.train) + len(prepared.eval) == 5000 // 33
+    assert "import" in prepared.tokenizer.decode(prepared.train[np.arange(len(prepared.train))].flatten().tolist())
