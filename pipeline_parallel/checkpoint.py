@@ -1,0 +1,334 @@
+"""Crash-safe, reshardable pipeline-stage checkpoints built on torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+__all__ = ["SafeFileSystemReader", "UnsafeCheckpointError", "latest_checkpoint",
+           "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
+LATEST = "latest"  # text file naming the newest complete checkpoint
+META = "meta.json"  # step, world size, the caller's `extra`
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
+# Flattened optimizer state is keyed by parameter FQN ("state.<fqn>.exp_avg",
+# "param_groups.<fqn>.lr"), so any pipeline split can load any other split's.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's `.metadata` references something other than DCP metadata types."""
+
+
+_ALLOWED_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("collections", "OrderedDict"),
+    *((mod, cls) for mod in ("pathlib", "pathlib._local")
+      for cls in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only the classes DCP writes into `.metadata`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(torch.__dict__.get(name), _TORCH_ENUMS)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata references {module}.{name}, which is not a DCP metadata "
+            "type; refusing to unpickle it. The .metadata file is corrupt or was tampered "
+            "with: only load checkpoints written by save_checkpoint."
+        )
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose `.metadata` unpickling cannot run arbitrary code.
+
+    DCP's own reader calls `pickle.load` on it; this one accepts only DCP metadata
+    classes. Tensor data is read by DCP with `torch.load(weights_only=True)`.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """Load planner that decodes non-tensor values (lr, betas, ...) with weights_only."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        # The parent uses torch.load(weights_only=False): decode safely here, then
+        # hand it a fresh encoding of the now known-plain value.
+        clean = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
+
+
+def _all_ok(ok: bool, group: Any) -> bool:
+    """Barrier that also tells every rank whether every rank succeeded."""
+    if not _distributed():
+        return ok
+    on_gpu = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([int(ok)], device=torch.cuda.current_device() if on_gpu else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _on_rank0(fn: Callable[[], None], rank: int, group: Any, what: str) -> None:
+    """Run `fn` on rank 0 only; if it fails, raise on every rank instead of hanging them."""
+    error = None
+    if rank == 0:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    if not _all_ok(error is None, group):
+        raise error if error is not None else RuntimeError(f"rank 0 failed to {what}; see its error")
+
+
+def _stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """This rank's model (and optimizer) state, keyed by original parameter FQN."""
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # also creates AdamW's lazy state (a zero-lr step)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    return state
+
+
+def _add_tied_aliases(model: torch.nn.Module, optim: dict) -> dict:
+    """Copy a tied parameter's optimizer state to its other FQNs (e.g. lm_head.weight).
+
+    DCP stores it under one name only, but a pipeline split that puts the tied copies
+    on different ranks must find it under each of them.
+    """
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    out = dict(optim)
+    for tied in (n for n in names.values() if len(n) > 1):
+        for key, value in optim.items():
+            kind, _, rest = key.partition(".")  # "state"|"param_groups", "<fqn>.<field>"
+            for name in (n for n in tied if rest.startswith(n + ".")):
+                for alias in tied:
+                    out[f"{kind}.{alias}.{rest[len(name) + 1:]}"] = value
+    return out
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def _fsync_dir(path: Path) -> None:
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: make a rename durable
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so readers see either the old or the new content."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Publish a fully written checkpoint: rename it into place, then move `latest`."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # re-saving a step after resuming from an older checkpoint
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    _atomic_write(final.parent / LATEST, final.name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / META).is_file()
+
+
+def _step_dirs(ckpt_dir: Path) -> list[Path]:
+    """Published checkpoint directories, oldest step first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m[1]), p) for p in ckpt_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, extra: dict, keep_last: int,
+                    group: Any = None) -> Path:
+    """Save this stage's model, optimizer and RNG state as `run_dir/checkpoints/step_NNNNNN`.
+
+    Every rank of `group` (default: all ranks) must call it. Ranks write into
+    `step_NNNNNN.tmp/`; once all are done rank 0 renames it into place and then updates
+    `latest`, so a crash mid-save never touches the previous checkpoint. `extra` must be
+    JSON-serialisable and is taken from rank 0. Keeps the newest `keep_last` checkpoints
+    (0 keeps all). Returns the checkpoint directory.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
+    rank, world_size = _rank_and_size(group)
+    rng = _rng_state()
+    meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
+            "has_optimizer": optimizer is not None, "rng_devices": sorted(rng), "extra": extra}
+    try:
+        meta_text = json.dumps(meta, indent=1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint: extra must be JSON-serialisable (dict, list, str, "
+                        f"number, bool, None); convert tensors with .tolist()/.item(): {e}") from e
+
+    ckpt_dir = Path(run_dir) / CHECKPOINTS
+    final = ckpt_dir / f"step_{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+
+    def prepare() -> None:  # leftovers of crashed saves are never loadable: drop them
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for path in ckpt_dir.iterdir():
+            if _STALE_DIR.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+        tmp.mkdir()
+
+    def publish() -> None:
+        _atomic_write(tmp / META, meta_text)
+        _commit(tmp, final)
+
+    _on_rank0(prepare, rank, group, f"create {tmp}")  # before anyone writes into it
+
+    state = _stage_state(model, optimizer)
+    if optimizer is not None:
+        state["optim"] = _add_tied_aliases(model, state["optim"])
+    state["rng"] = {f"rank{rank}": rng}  # RNG is per rank: its own keys
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
+    _on_rank0(publish, rank, group, f"publish {final}; the previous checkpoint is untouched")
+    if rank == 0 and keep_last > 0:
+        older = [p for p in _step_dirs(ckpt_dir) if p != final]
+        for path in older[: max(0, len(older) - (keep_last - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """Return the newest complete checkpoint under `run_dir/checkpoints`, or None.
+
+    Follows the `latest` pointer; if it is missing or dangling (a crash between the
+    rename and the pointer update) falls back to the highest complete step directory.
+    """
+    ckpt_dir = Path(run_dir) / CHECKPOINTS
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file() and _is_complete(path := ckpt_dir / pointer.read_text().strip()):
+        return path
+    complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, group: Any = None) -> dict:
+    """Load the parameters this stage owns, and their optimizer state; return `extra`.
+
+    Works across pipeline sizes: every rank asks DCP only for its own FQNs. RNG states
+    are per rank, so they are restored only if the checkpoint was saved on the same
+    number of ranks; otherwise every rank keeps its current RNG (a warning is logged).
+    Pending gradients are dropped. Pass optimizer=None to load only the model.
+    """
+    path = Path(path)
+    if not _is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (needs .metadata and "
+                                f"{META}); pass a directory returned by latest_checkpoint()")
+    meta = json.loads((path / META).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "
+                         f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None")
+    rank, world_size = _rank_and_size(group)
+
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)  # else the lazy optimizer state is not created
+    state = _stage_state(model, optimizer)
+    restore_rng = meta["world_size"] == world_size
+    if restore_rng:  # current states serve as right-shaped buffers for dcp.load to fill
+        current = _rng_state()
+        state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
+
+    reader = SafeFileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
+    wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
+    missing = [k for k in wanted if k not in saved]
+    if not _all_ok(not missing, group):  # fail on every rank rather than hang the others
+        raise ValueError(f"{path} lacks {len(missing)} entries rank {rank} needs, e.g. "
+                         f"{missing[:3]}; was it saved from a different model or config?"
+                         if missing else f"{path} lacks entries another rank needs (see its error)")
+    dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
+
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
+    if restore_rng:
+        rng = state["rng"][f"rank{rank}"]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        logger.warning("%s was saved on %d ranks, loading on %d: RNG states not restored",
+                       path, meta["world_size"], world_size)
+    return meta["extra"]

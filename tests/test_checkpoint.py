@@ -1,0 +1,296 @@
+"""Tests for checkpoint save/load: resharding, crash safety, RNG/extra, safe loading."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_distributed
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline_parallel import checkpoint as ckpt
+from pipeline_parallel.checkpoint import (
+    UnsafeCheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+CONFIG = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                     max_position_embeddings=64)
+TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})
+EXTRA = {"step": 2, "scheduler": {"last_epoch": 2}, "data": {"position": 1234}, "note": None}
+
+
+def make_stage(rank: int, world_size: int, seed: int = 0, config=CONFIG) -> LlamaForCausalLM:
+    """Full tiny Llama stripped to the layers `rank` owns, keeping original FQNs."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    n = CONFIG.num_hidden_layers
+    owned = range(rank * n // world_size, (rank + 1) * n // world_size)
+    model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in owned})
+    if rank != 0:
+        model.model.embed_tokens = None
+    if rank != world_size - 1:
+        model.model.norm = None
+        model.lm_head = None
+    return model
+
+
+def fake_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """An optimizer step on gradients that depend only on parameter name and step."""
+    for name, p in model.named_parameters():
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + step)
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+
+
+def train(model: nn.Module, steps: int = 2) -> torch.optim.AdamW:
+    """A couple of AdamW steps, so the optimizer state is non-trivial."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        fake_step(model, opt, step)
+    return opt
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Model and FQN-keyed optimizer state as plain cloned values."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    optim = get_optimizer_state_dict(model, opt, options=options)
+    state = {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+    state |= {f"optim.{k}": v for k, v in optim.items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+# ---------------------------------------------------------------- workers (run in children)
+
+
+def _save_worker(rank, world_size, run_dir):
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    save_checkpoint(run_dir, 2, model, opt, EXTRA, keep_last=3)
+    return snapshot(model, opt)
+
+
+def _load_worker(rank, world_size, run_dir):
+    model = make_stage(rank, world_size, seed=1)  # different weights than the saved ones
+    opt = torch.optim.AdamW(model.parameters(), lr=5.0)  # different hyperparameters too
+    torch.manual_seed(1234)
+    extra = load_checkpoint(latest_checkpoint(run_dir), model, opt)
+    after_load = torch.rand(4)
+    torch.manual_seed(1234)
+    rng_kept = torch.equal(after_load, torch.rand(4))
+    return snapshot(model, opt), extra, rng_kept
+
+
+def _round_trip_worker(rank, world_size, run_dir):
+    original = make_stage(rank, world_size)
+    original_opt = train(original)
+    torch.manual_seed(100 + rank)
+    torch.rand(3)
+    save_checkpoint(run_dir, 7, original, original_opt, EXTRA, keep_last=1)
+    want_rand = torch.rand(5)
+
+    model = make_stage(rank, world_size, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=5.0)
+    torch.manual_seed(999)
+    extra = load_checkpoint(latest_checkpoint(run_dir), model, opt)
+    assert extra == EXTRA
+    assert torch.equal(torch.rand(5), want_rand), "RNG not restored"
+    assert_same(snapshot(model, opt), snapshot(original, original_opt))
+    # the restored optimizer keeps training exactly like the original
+    fake_step(model, opt, 2)
+    fake_step(original, original_opt, 2)
+    assert_same(snapshot(model, opt), snapshot(original, original_opt))
+    return True
+
+
+def _crash_worker(rank, world_size, run_dir):
+    run_dir = Path(run_dir)
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    first = save_checkpoint(run_dir, 1, model, opt, {"step": 1}, keep_last=5)
+
+    def crash(tmp, final):
+        raise OSError("simulated crash before publishing")
+
+    if rank == 0:
+        ckpt._commit = crash  # rank 0 dies between the writes and the rename
+    with pytest.raises((OSError, RuntimeError), match="simulated crash|rank 0 failed"):
+        save_checkpoint(run_dir, 2, model, opt, {"step": 2}, keep_last=5)
+    assert (run_dir / "checkpoints" / "step_000002.tmp").is_dir()
+    assert not (run_dir / "checkpoints" / "step_000002").exists()
+    assert latest_checkpoint(run_dir) == first
+    fresh = make_stage(rank, world_size, seed=1)
+    assert load_checkpoint(first, fresh, torch.optim.AdamW(fresh.parameters())) == {"step": 1}
+
+    # a rank failing while writing its shards also leaves `latest` alone
+    if rank == 1:
+        ckpt.dcp.FileSystemWriter.write_data = lambda *a, **k: 1 / 0
+    with pytest.raises(BaseException, match="ZeroDivisionError|division by zero"):
+        save_checkpoint(run_dir, 3, model, opt, {"step": 3}, keep_last=5)
+    assert latest_checkpoint(run_dir) == first
+    return True
+
+
+def _tied_load_worker(rank, world_size, path):
+    model = make_stage(rank, world_size, seed=1, config=TIED)
+    opt = torch.optim.AdamW(model.parameters())
+    load_checkpoint(path, model, opt)
+    return snapshot(model, opt)
+
+
+def _fail_or_hang(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad value on rank 1")
+    time.sleep(60)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_run_distributed_reports_errors_and_timeouts():
+    results = run_distributed(lambda rank, world_size, x: (rank, world_size, x), 3, "hi")
+    assert results == [(0, 3, "hi"), (1, 3, "hi"), (2, 3, "hi")]
+    with pytest.raises(ValueError, match="bad value on rank 1"):
+        run_distributed(_fail_or_hang, 2)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 1 did not finish within 1s"):
+        run_distributed(lambda rank, ws: time.sleep(60), 1, timeout=1)
+
+
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory):
+    """A checkpoint written by a 2-stage pipeline, plus the state it holds."""
+    run_dir = tmp_path_factory.mktemp("run")
+    states = run_distributed(_save_worker, 2, str(run_dir))
+    assert not set(states[0]) & {k for k in states[1] if k.startswith("model.")}  # disjoint
+    return run_dir, states[0] | states[1]
+
+
+def test_stages_partition_the_full_model(saved_on_two):
+    _, saved = saved_on_two
+    full = make_stage(0, 1)
+    assert_same(saved, snapshot(full, train(full)))
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_load_at_other_pipeline_size(saved_on_two, world_size):
+    run_dir, saved = saved_on_two
+    results = run_distributed(_load_worker, world_size, str(run_dir))
+    loaded = {}
+    for state, extra, rng_kept in results:
+        assert extra == EXTRA
+        assert rng_kept, "RNG must not be restored when the number of ranks changed"
+        loaded |= state
+    assert_same(loaded, saved)
+
+
+def test_round_trip_restores_rng_and_extra(tmp_path):
+    assert run_distributed(_round_trip_worker, 2, str(tmp_path)) == [True, True]
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
+    assert run_distributed(_crash_worker, 2, str(tmp_path)) == [True, True]
+    # the next save (single process, no torch.distributed) clears the leftovers
+    model = make_stage(0, 1)
+    save_checkpoint(tmp_path, 4, model, train(model), {"step": 4}, keep_last=5)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step_000001", "step_000004"]
+
+
+def test_keep_last_and_latest_pointer(tmp_path):
+    model = make_stage(0, 1)
+    opt = train(model)
+    assert latest_checkpoint(tmp_path) is None
+    for step in range(1, 5):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=2)
+    ckpt_dir = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000003", "step_000004"]
+    assert (ckpt_dir / "latest").read_text().strip() == "step_000004"
+    assert latest_checkpoint(tmp_path) == ckpt_dir / "step_000004"
+    (ckpt_dir / "latest").unlink()  # e.g. a crash right after the rename
+    assert latest_checkpoint(tmp_path) == ckpt_dir / "step_000004"
+    # re-saving an existing step (after resuming from an older one) replaces it
+    save_checkpoint(tmp_path, 4, model, opt, {"step": "again"}, keep_last=2)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000003", "step_000004"]
+    assert load_checkpoint(latest_checkpoint(tmp_path), model, opt) == {"step": "again"}
+
+
+def test_tied_embeddings_load_untied(tmp_path):
+    """A tied model saved whole loads into a split where each end holds its own copy."""
+    model = make_stage(0, 1, config=TIED)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    opt = train(model)
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, keep_last=1)
+    first, last = run_distributed(_tied_load_worker, 2, str(path))
+    assert_same(first, {k: v for k, v in snapshot(model, opt).items() if k in first})
+    for key, value in first.items():
+        if "embed_tokens" in key:  # lm_head on the last stage got the same values
+            other = last[key.replace("model.embed_tokens", "lm_head")]
+            assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value
+
+
+class _Evil:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_metadata_is_refused(tmp_path):
+    model = make_stage(0, 1)
+    path = save_checkpoint(tmp_path, 1, model, train(model), {}, keep_last=1)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(UnsafeCheckpointError, match="system.*not a DCP metadata type"):
+        load_checkpoint(path, model, None)
+    assert not marker.exists()
+
+
+def test_malicious_optimizer_value_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    model = make_stage(0, 1)
+    opt = train(model)
+    opt.param_groups[0]["evil"] = _Evil(marker)  # stored as a pickled non-tensor value
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, keep_last=1)
+    opt.param_groups[0]["evil"] = "placeholder"
+    with pytest.raises(BaseException, match="[Ww]eights.only"):
+        load_checkpoint(path, model, opt)
+    assert not marker.exists()
+
+
+def test_clear_errors(tmp_path):
+    model = make_stage(0, 1)
+    opt = train(model)
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        save_checkpoint(tmp_path, 1, model, opt, {"lr": torch.tensor(1.0)}, keep_last=1)
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path, model, opt)
+    path = save_checkpoint(tmp_path, 1, model, None, {}, keep_last=1)
+    with pytest.raises(ValueError, match="without optimizer state"):
+        load_checkpoint(path, model, opt)
+    bigger = LlamaForCausalLM(LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 5}))
+    with pytest.raises(ValueError, match="model.model.layers.4"):
+        load_checkpoint(path, bigger, None)
