@@ -1,0 +1,122 @@
+"""Checks a step's batch on the ranks that hold it and makes every rank agree before any transfer."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import PipeComm
+from .stage import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What all ranks know about a step's batch after they agreed on it."""
+
+    batch_size: int
+    seq_len: int
+    num_target_tokens: int  # labels that are not IGNORE_INDEX, over the whole batch
+
+
+def fingerprint(**settings) -> dict[str, int]:
+    """A checksum per setting that must be equal on every rank, e.g. schedule or layer split."""
+    return {name: zlib.crc32(repr(value).encode()) & 0x7FFFFFFF for name, value in settings.items()}
+
+
+def check_token_tensor(tensor, name: str, vocab_size: int, allow_ignore: bool) -> str | None:
+    """Why `tensor` is not a valid [batch, seq_len] tensor of token IDs, or None if it is."""
+    if not isinstance(tensor, torch.Tensor):
+        return f"{name} must be a torch.Tensor of token IDs shaped [batch, seq_len], got {type(tensor).__name__}"
+    if tensor.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        return f"{name} must hold integer token IDs (torch.long), got dtype {tensor.dtype}"
+    if tensor.dim() != 2 or tensor.numel() == 0:
+        return f"{name} must be shaped [batch, seq_len] with both > 0, got shape {tuple(tensor.shape)}"
+    valid = tensor[tensor != IGNORE_INDEX] if allow_ignore else tensor
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
+        allowed = f"0..{vocab_size - 1}" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
+        return (
+            f"{name} holds token IDs from {int(valid.min())} to {int(valid.max())}, but the model's vocabulary "
+            f"allows {allowed}; check the tokenizer matches the model's vocab_size"
+        )
+    return None
+
+
+def agree_on_batch(
+    comm: PipeComm,
+    input_ids,
+    labels,
+    *,
+    vocab_size: int,
+    num_microbatches: int,
+    settings: dict[str, int],
+    local_error: str | None = None,
+) -> BatchInfo:
+    """Check the batch where it is held, then share the facts so every rank raises the same error.
+
+    `input_ids` is given on the first stage and `labels` on the last (None elsewhere). One small
+    all-gather carries each rank's shapes, target count, settings checksums and an error flag;
+    no rank can wait on a peer that has already given up, so bad input never hangs.
+    """
+    error = local_error
+    facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
+    if error is None and input_ids is not None:
+        error = check_token_tensor(input_ids, "input_ids", vocab_size, allow_ignore=False)
+        if error is None:
+            facts[0:2] = input_ids.shape
+    if error is None and labels is not None:
+        error = check_token_tensor(labels, "labels", vocab_size, allow_ignore=True)
+        if error is None:
+            facts[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
+    rows = _gather_checked(comm, error, facts, settings)
+    inputs = [row[1:3] for row in rows if row[1] >= 0]
+    targets = [row[3:6] for row in rows if row[3] >= 0]
+    if not inputs or not targets:
+        raise ValueError("the first pipeline rank must pass input_ids and the last must pass labels")
+    (batch_size, seq_len), (label_batch, label_seq, num_targets) = inputs[0], targets[0]
+    if (label_batch, label_seq) != (batch_size, seq_len):
+        raise ValueError(
+            f"labels are shaped {[label_batch, label_seq]} but input_ids {[batch_size, seq_len]}; "
+            "give one (already shifted) target per input token"
+        )
+    if batch_size % num_microbatches:
+        raise ValueError(
+            f"a batch of {batch_size} sequences does not split into {num_microbatches} equal microbatches; "
+            f"use a batch size that is a multiple of num_microbatches"
+        )
+    return BatchInfo(batch_size, seq_len, num_targets)
+
+
+def agree_on_settings(comm: PipeComm, settings: dict[str, int]) -> None:
+    """Raise the same clear error on every rank unless all ranks were given the same settings."""
+    _gather_checked(comm, None, [-1] * 5, settings)
+
+
+def _gather_checked(comm: PipeComm, error: str | None, facts: list[int], settings: dict[str, int]) -> list[list[int]]:
+    """All ranks' [error flag, *facts, *settings]; raises on every rank if any rank failed or disagrees."""
+    names = sorted(settings)
+    rows = comm.all_gather_ints([int(error is not None), *facts, *(settings[n] for n in names)])
+    failed = [rank for rank, row in enumerate(rows) if row[0]]
+    if failed:
+        _raise_shared_error(comm, error, failed)
+    offset = 1 + len(facts)
+    for i, name in enumerate(names):
+        by_rank = [row[offset + i] for row in rows]
+        if len(set(by_rank)) > 1:
+            raise ValueError(
+                f"the pipeline ranks disagree on {name!r}: every rank must construct the pipeline and call the "
+                f"step with the same {name} (checksums by rank: {by_rank})"
+            )
+    return rows
+
+
+def _raise_shared_error(comm: PipeComm, error: str | None, failed: list[int]) -> None:
+    messages = [error]
+    if comm.pp_size > 1:
+        messages = [None] * comm.pp_size
+        dist.all_gather_object(messages, error, group=comm.group)
+    first = failed[0]
+    prefix = "" if comm.pp_size == 1 else f"pipeline rank {first}: "
+    raise ValueError(prefix + str(messages[first if comm.pp_size > 1 else 0]))

@@ -1,0 +1,89 @@
+"""The one-call training step on a full Hugging Face model: `train_step_pipeline_afab` / `_1f1b`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .batch import agree_on_batch, fingerprint
+from .comm import PipeComm
+from .models.decoder import DecoderParts, check_layout
+from .partition import balanced_layer_counts, layer_ranges
+from .runtime import StepData, run_step
+from .schedules import build_schedule
+from .stage import IGNORE_INDEX, PipelineStage
+
+
+def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> float | None:
+    """Forward and backward of a batch given as microbatches, all forwards first (GPipe/AFAB).
+
+    `model` is a whole `LlamaForCausalLM` on every rank (process group already initialised); each
+    rank runs only its contiguous share of the decoder layers, the first also the embedding and
+    the last the final norm and `lm_head`. `inputs` and `targets` are lists of [microbatch,
+    seq_len] token IDs (targets already shifted, -100 ignored). Each microbatch's loss is its
+    mean cross-entropy divided by the number of microbatches; gradients accumulate in the
+    model's parameters. Returns the summed loss on the last rank and None on the others.
+    """
+    return _train_step(model, inputs, targets, device, dtype, "gpipe")
+
+
+def train_step_pipeline_1f1b(model, inputs, targets, device, dtype) -> float | None:
+    """As `train_step_pipeline_afab`, with the one-forward-one-backward schedule (less memory)."""
+    return _train_step(model, inputs, targets, device, dtype, "1f1b")
+
+
+def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str) -> float | None:
+    check_layout(model)
+    device = torch.device(device)
+    comm = PipeComm(None, device)
+    num_layers = len(model.model.layers)
+    layer_counts = balanced_layer_counts(num_layers, comm.pp_size)  # even split, as the classic API promises
+    stage_idx, num_stages = comm.pp_rank, comm.pp_size
+    first, last = stage_idx == 0, stage_idx == num_stages - 1
+
+    error = _check_microbatches(inputs, targets)
+    input_ids = labels = None
+    if error is None:
+        input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
+    num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
+    settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
+                           model_config=(model.config.vocab_size, model.config.hidden_size, num_layers))
+    info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
+                          vocab_size=model.config.vocab_size, num_microbatches=max(num_microbatches, 1),
+                          settings=settings, local_error=error)
+
+    parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
+    for module in parts.modules():
+        module.to(device=device, dtype=dtype)
+    stage = PipelineStage(parts, stage_idx, num_stages)
+    step = StepData(activation_shape=(info.batch_size // num_microbatches, info.seq_len, model.config.hidden_size),
+                    activation_dtype=dtype)
+    if first:
+        step.inputs = [x.to(device) for x in inputs]
+    if last:
+        step.labels = [y.to(device) for y in targets]
+        # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
+        step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
+    tied = num_stages > 1 and model.lm_head.weight is model.model.embed_tokens.weight
+    program = build_schedule(schedule, num_stages, num_microbatches)[stage_idx]
+    loss = run_step(program, stage, comm, step, model.lm_head.weight if tied and (first or last) else None)
+    return loss.item() if loss is not None else None
+
+
+def _check_microbatches(inputs, targets) -> str | None:
+    """Why `inputs`/`targets` are not matching lists of equally shaped microbatches, or None."""
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, (list, tuple)) or not value:
+            return f"{name} must be a non-empty list of [microbatch, seq_len] token-ID tensors, got {type(value).__name__}"
+        if not all(isinstance(t, torch.Tensor) for t in value):
+            return f"every element of {name} must be a torch.Tensor of token IDs"
+    if len(inputs) != len(targets):
+        return f"got {len(inputs)} input microbatches but {len(targets)} target microbatches; give one target per input"
+    for i, (x, y) in enumerate(zip(inputs, targets)):
+        if x.shape != y.shape:
+            return (f"microbatch {i}: inputs are shaped {tuple(x.shape)} but targets {tuple(y.shape)}; "
+                    "targets must hold one (shifted) target per input token")
+        if x.shape != inputs[0].shape:
+            return (f"microbatch {i} is shaped {tuple(x.shape)} but microbatch 0 {tuple(inputs[0].shape)}; "
+                    "all microbatches of a batch must have the same shape")
+    return None

@@ -1,0 +1,68 @@
+"""This rank's place in the pipeline and the transfers between stages (the only P2P code)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class PipeComm:
+    """The pipeline's process group, this rank's `pp_rank` in it, and the transfers it makes.
+
+    Passed around instead of global state, so a pipeline can live in a sub-group (one pipeline
+    per data-parallel replica). Without an initialised process group it is a one-rank pipeline
+    that never communicates.
+    """
+
+    def __init__(self, group=None, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.enabled = dist.is_available() and dist.is_initialized()
+        if not self.enabled:
+            self.group, self.pp_rank, self.pp_size, self.global_ranks = None, 0, 1, [0]
+            return
+        self.group = group or dist.group.WORLD
+        self.pp_rank = dist.get_rank(self.group)
+        self.pp_size = dist.get_world_size(self.group)
+        self.global_ranks = dist.get_process_group_ranks(self.group)
+
+    def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
+        """Start sends and receives [("send" | "recv", tensor, peer pp_rank)] together; returns Work handles.
+
+        Posting a step's neighbouring sends and receives as one batch lets NCCL pair them
+        (a lone blocking send facing a lone blocking send would deadlock).
+        """
+        if not ops:
+            return []
+        p2p = [
+            dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, self.global_ranks[peer], self.group)
+            for op, tensor, peer in ops
+        ]
+        return dist.batch_isend_irecv(p2p)
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of ints (same length everywhere), indexed by pp_rank."""
+        if self.pp_size == 1:
+            return [list(values)]
+        local = torch.tensor(values, dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.pp_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return [t.tolist() for t in gathered]
+
+    def broadcast(self, tensor: torch.Tensor, src_pp_rank: int) -> torch.Tensor:
+        """`tensor` from `src_pp_rank` on every rank (in place)."""
+        if self.pp_size > 1:
+            dist.broadcast(tensor, self.global_ranks[src_pp_rank], group=self.group)
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """`tensor` reduced over the pipeline ranks (in place)."""
+        if self.pp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def exchange_add_(self, tensor: torch.Tensor, peer: int) -> None:
+        """Add the peer's copy of `tensor` to ours while it adds ours to its own (tied weights)."""
+        received = torch.empty_like(tensor)
+        for work in self.post([("send", tensor, peer), ("recv", received, peer)]):
+            work.wait()
+        tensor.add_(received)

@@ -1,0 +1,163 @@
+"""The parts of a decoder-only causal LM one pipeline stage runs, for HF models and our own Llama."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class DecoderParts:
+    """A stage's view of a model laid out as `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`.
+
+    Calls the model's own modules, so forward/backward hooks on them fire exactly as in an
+    unpipelined run, and registers none of its own. `embed_tokens` is set on the first stage only,
+    `norm` and `lm_head` on the last only.
+    """
+
+    config: object
+    rotary_emb: nn.Module
+    layers: list[tuple[int, nn.Module]]
+    embed_tokens: nn.Module | None = None
+    norm: nn.Module | None = None
+    lm_head: nn.Module | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, layer_indices: range, first: bool, last: bool) -> DecoderParts:
+        """The parts of `model` a stage owning `layer_indices` runs (the model itself is left as it is)."""
+        check_layout(model)
+        layers = model.model.layers
+        owned = [(i, layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)]) for i in layer_indices]
+        return cls(
+            config=model.config,
+            rotary_emb=model.model.rotary_emb,
+            layers=owned,
+            embed_tokens=model.model.embed_tokens if first else None,
+            norm=model.model.norm if last else None,
+            lm_head=model.lm_head if last else None,
+        )
+
+    def modules(self) -> list[nn.Module]:
+        """The modules with parameters this stage owns."""
+        parts = [self.embed_tokens, *(layer for _, layer in self.layers), self.norm, self.lm_head]
+        return [m for m in parts if m is not None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Input IDs (first stage) or hidden states in; hidden states or logits (last stage) out."""
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        seq_len = hidden.shape[1]
+        position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        mask = causal_mask(self.config, hidden, position_ids)
+        for _, layer in self.layers:
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+            )
+            if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
+                hidden = hidden[0]
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def check_layout(model: nn.Module) -> None:
+    """Raise a clear error unless `model` has the decoder layout the pipeline splits."""
+    inner = getattr(model, "model", None)
+    missing = [
+        name
+        for name, owner, attr in [
+            ("model.embed_tokens", inner, "embed_tokens"),
+            ("model.layers", inner, "layers"),
+            ("model.norm", inner, "norm"),
+            ("model.rotary_emb", inner, "rotary_emb"),
+            ("lm_head", model, "lm_head"),
+        ]
+        if owner is None or not hasattr(owner, attr)
+    ]
+    if missing or not hasattr(model, "config"):
+        raise TypeError(
+            f"{type(model).__name__} is not a supported decoder-only causal LM: missing {missing or ['config']}. "
+            "Pass a Hugging Face model laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head "
+            "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ...) or pipeline_parallel's own Llama"
+        )
+
+
+def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor):
+    """The attention mask a Hugging Face decoder layer expects for plain causal attention.
+
+    Built by transformers' own `create_causal_mask`, so every attention implementation (sdpa,
+    eager, flex) gets the mask it would get in the unpipelined model; `None` for our own Llama,
+    whose attention is causal by construction.
+    """
+    if not _is_hf_config(config):
+        return None
+    from transformers.masking_utils import create_causal_mask
+
+    kwargs = dict(config=config, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    params = _mask_params()
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    if "cache_position" in params:  # transformers < 5
+        kwargs["cache_position"] = position_ids[0]
+    return create_causal_mask(**kwargs)
+
+
+def _is_hf_config(config) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:
+        return False
+    return isinstance(config, PretrainedConfig)
+
+
+@functools.cache
+def _mask_params() -> frozenset[str]:
+    """`create_causal_mask`'s argument names, which differ between transformers 4.x and 5.x."""
+    from transformers.masking_utils import create_causal_mask
+
+    return frozenset(inspect.signature(create_causal_mask).parameters)
+
+
+def keep_local_part(model: nn.Module, layer_indices: range, first: bool, last: bool) -> None:
+    """Release every part of `model` a stage does not own, keeping original parameter names.
+
+    `model.layers` becomes a ModuleDict keyed by the original indices, so the stage's state dict
+    still says `model.layers.5.mlp.up_proj.weight` and checkpoints map 1:1 onto the full model.
+    """
+    check_layout(model)
+    inner = model.model
+    layers = inner.layers
+    inner.layers = nn.ModuleDict(
+        {str(i): layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)] for i in layer_indices}
+    )
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm = None
+        model.lm_head = None
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Allocate and initialise a model (or the stage part of one) built on the `meta` device.
+
+    Our own Llama initialises each parameter from (seed, name), so weights do not depend on the
+    pipeline split; Hugging Face models use their own `_init_weights`. Rotary tables are
+    recomputed, since they are buffers no checkpoint holds.
+    """
+    model.to_empty(device=device)
+    with torch.no_grad():
+        if hasattr(model, "init_weights") and not _is_hf_config(model.config):
+            model.init_weights(seed)
+        else:
+            torch.manual_seed(seed)
+            for module in model.modules():
+                if module is not model.model.rotary_emb:
+                    model._init_weights(module)
+    rotary = model.model.rotary_emb
+    if hasattr(rotary, "reset_inv_freq"):
+        rotary.reset_inv_freq(device)
+    else:
+        model.model.rotary_emb = type(rotary)(config=model.config, device=device)

@@ -1,0 +1,106 @@
+"""Cost-balanced split of a decoder's layers (plus embedding and LM head) into pipeline stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Estimated cost of each piece of the model, in the same unit (multiply-adds per token)."""
+
+    layer: float
+    embedding: float = 0.0
+    head: float = 0.0
+
+
+def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
+    """Multiply-adds per token of a decoder layer, the embedding and the LM head.
+
+    A layer costs its matmul weights plus attention over `seq_len` positions; the head costs
+    hidden * vocab (for a 32k vocabulary and a small hidden size that is several layers). The
+    embedding is a lookup: nearly free, but not zero, so ties put it with fewer layers.
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
+    mlp_weights = 3 * hidden * config.intermediate_size  # gate, up, down
+    attention_scores = 2 * heads * head_dim * seq_len // 2  # QK^T and AV, causal half
+    layer = attention_weights + mlp_weights + attention_scores
+    return StageCosts(layer=float(layer), embedding=float(hidden), head=float(hidden * config.vocab_size))
+
+
+def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | None = None) -> list[int]:
+    """Layers per stage, contiguous, each stage >= 1 layer, minimising the costliest stage.
+
+    Stage 0 also pays `costs.embedding` and the last stage `costs.head`. Without costs every layer
+    weighs the same, which gives the even split (earlier stages take the remainder). Exact dynamic
+    programme over split points: O(num_stages * num_layers^2), instant for real models.
+    """
+    _check_stage_count(num_layers, num_stages)
+    costs = costs or StageCosts(layer=1.0)
+
+    def stage_cost(first: int, last: int, stage: int) -> float:
+        cost = (last - first) * costs.layer
+        if stage == 0:
+            cost += costs.embedding
+        if stage == num_stages - 1:
+            cost += costs.head
+        return cost
+
+    # best[s][n]: (max stage cost, counts) for the first n layers over stages 0..s-1.
+    inf = float("inf")
+    best: list[list[tuple[float, tuple[int, ...]]]] = [[(inf, ())] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, ())
+    for s in range(1, num_stages + 1):
+        for n in range(s, num_layers - (num_stages - s) + 1):
+            candidates = []
+            for k in range(s - 1, n):  # the last stage of this prefix takes layers k..n-1
+                prev_cost, prev_counts = best[s - 1][k]
+                if prev_cost == inf:
+                    continue
+                counts = prev_counts + (n - k,)
+                cost = max(prev_cost, stage_cost(k, n, s - 1))
+                # Ties go to the split whose earlier stages are larger, like the usual even split.
+                candidates.append((cost, tuple(-c for c in counts), counts))
+            if candidates:
+                cost, _, counts = min(candidates)
+                best[s][n] = (cost, counts)
+    return list(best[num_stages][num_layers][1])
+
+
+def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validate user-given layers per stage; returns them as a list of ints."""
+    _check_stage_count(num_layers, num_stages)
+    counts = list(layer_counts)
+    if len(counts) != num_stages:
+        raise ValueError(
+            f"layer_counts has {len(counts)} entries but there are {num_stages} pipeline stages; "
+            f"give one layer count per stage"
+        )
+    if any(not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"layer_counts {counts}: every stage needs a whole number >= 1 of decoder layers")
+    if sum(counts) != num_layers:
+        raise ValueError(f"layer_counts {counts} sum to {sum(counts)} but the model has {num_layers} decoder layers")
+    return counts
+
+
+def layer_ranges(layer_counts: list[int]) -> list[range]:
+    """The decoder-layer indices each stage owns, from layers-per-stage."""
+    ranges, start = [], 0
+    for count in layer_counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def _check_stage_count(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"cannot split {num_layers} decoder layers into {num_stages} pipeline stages: every stage needs at "
+            f"least one layer; use at most {num_layers} ranks or a model with more layers"
+        )

@@ -1,0 +1,150 @@
+"""`Pipeline`: this rank's stage of a model, trained with a schedule over the pipeline ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .batch import agree_on_batch, agree_on_settings, fingerprint
+from .comm import PipeComm
+from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize
+from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges
+from .runtime import StepData, run_step
+from .schedules import build_schedule
+from .stage import PipelineStage
+
+
+class Pipeline:
+    """Keeps this rank's stage of `model` and trains it with a pipeline schedule.
+
+    ```
+    pipe = Pipeline(model, schedule="1f1b", num_microbatches=8)
+    loss = pipe.step(input_ids, labels)      # forward + backward of the whole batch
+    pipe.clip_grad_norm_(1.0); optimizer.step(); pipe.zero_grad()
+    ```
+    Every rank of `group` (default: all) constructs it with the same arguments and calls
+    `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
+    of -100 ignored), so gradients equal those of one process on the full batch. The first
+    rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: str = "1f1b",
+        num_microbatches: int | None = None,
+        *,
+        layer_counts: list[int] | None = None,
+        device: torch.device | str | None = None,
+        group=None,
+        autocast_dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ):
+        check_layout(model)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.comm = PipeComm(group, self.device)
+        self.pp_rank, self.pp_size = self.comm.pp_rank, self.comm.pp_size
+        num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.config = model.config
+        num_layers = len(model.model.layers)
+        if layer_counts is None:
+            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
+        self.layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
+        self.program = build_schedule(schedule, self.pp_size, num_microbatches)[self.pp_rank]
+        self.stage_idx = self.pp_rank
+        self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
+        self._settings = fingerprint(
+            schedule=schedule.lower(), num_microbatches=num_microbatches, layer_counts=self.layer_counts,
+            model_config=_config_summary(model.config), autocast_dtype=str(autocast_dtype),
+        )
+        # Agree before touching the model, so a mismatched launch fails here and not in a hang.
+        agree_on_settings(self.comm, self._settings)
+
+        tied = self.pp_size > 1 and model.lm_head.weight is model.model.embed_tokens.weight
+        self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
+        keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            materialize(model, self.device, seed)
+        self.model = model.to(self.device)
+        parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
+        self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
+        self._tied_weight = None
+        if tied:
+            self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
+        self.activation_dtype = next(model.parameters()).dtype
+
+    def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
+        """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
+        info = agree_on_batch(
+            self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
+            vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches, settings=self._settings,
+        )
+        if info.num_target_tokens == 0:
+            raise ValueError("every label of the batch is -100 (ignored): there is nothing to train on")
+        m = self.num_microbatches
+        step = StepData(
+            activation_shape=(info.batch_size // m, info.seq_len, self.config.hidden_size),
+            activation_dtype=self.activation_dtype,
+        )
+        if self.is_first:
+            step.inputs = input_ids.to(self.device).chunk(m)
+        if self.is_last:
+            step.labels = labels.to(self.device).chunk(m)
+            step.loss_scales = [1.0 / info.num_target_tokens] * m
+        loss = run_step(self.program, self.stage, self.comm, step, self._tied_weight)
+        result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
+        return self.comm.broadcast(result, self.pp_size - 1).item()
+
+    def parameters(self):
+        """This rank's parameters (its stage only)."""
+        return self.model.parameters()
+
+    def named_parameters(self):
+        """This rank's parameters under their names in the full model."""
+        return self.model.named_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all stages' gradients so their global norm is at most `max_norm`; returns that norm.
+
+        The norm is taken over the whole model, as one process would: each rank reduces its
+        own gradients, the ranks combine the results, and the tied LM head is counted once.
+        """
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
+        local = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+            if grads else torch.zeros((), device=self.device)
+        ).float()
+        if math.isinf(norm_type):
+            total = self.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+        else:
+            total = self.comm.all_reduce(local**norm_type).pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
+        return total
+
+    def _unique_parameters(self):
+        """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
+        skip = self._tied_weight if self.is_last else None
+        return [p for p in self.parameters() if p is not skip]
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _config_summary(config) -> tuple:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "tie_word_embeddings")
+    return tuple(getattr(config, key, None) for key in keys)
+

@@ -1,0 +1,154 @@
+"""Executes one rank's action list: compute on its stages, sends and receives between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import PipeComm
+from .schedules import Action, Kind, stage_to_rank
+from .stage import PipelineStage
+
+
+@dataclass
+class StepData:
+    """What one step needs: microbatches for the first stage, labels and loss scales for the last.
+
+    `activation_shape` and `activation_dtype` describe every tensor that crosses a stage boundary
+    this step (hidden states forward, their gradients backward), so receive buffers can be made
+    before the data arrives. Ranks agree on them before the step starts.
+    """
+
+    activation_shape: tuple[int, ...]
+    activation_dtype: torch.dtype
+    inputs: list[torch.Tensor] | None = None
+    labels: list[torch.Tensor] | None = None
+    loss_scales: list[float] | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData) -> None:
+    """Run `program` (this rank's lowered actions) for one step.
+
+    Consecutive comm actions are posted as one batch when the next compute action comes up
+    (or at the end); a compute action waits only for the receive it consumes. Sends are kept
+    until they complete, so their tensors stay alive; all are waited for before returning.
+    """
+    received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Batch]] = {}
+    produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # outputs of F and B by action
+    in_flight: list[_Batch] = []
+    pending: list[Action] = []
+
+    def flush() -> None:
+        ops, recv_keys = [], []
+        for action in pending:
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                compute = Kind.F if action.kind == Kind.SEND_F else Kind.B
+                tensor = produced.pop((compute, action.stage, action.mb))
+                peer = action.stage + 1 if compute == Kind.F else action.stage - 1
+                ops.append(("send", tensor, stage_to_rank(peer, comm.pp_size)))
+            else:
+                buffer = torch.empty(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
+                peer = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
+                ops.append(("recv", buffer, stage_to_rank(peer, comm.pp_size)))
+                recv_keys.append((action.kind, action.stage, action.mb))
+        pending.clear()
+        if not ops:
+            return
+        works = comm.post(ops)
+        if len(works) == len(ops):  # one handle per op (gloo): a receive waits for itself only
+            handles = [_Batch([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
+        else:  # one handle for the coalesced batch (nccl): waiting only orders the GPU stream
+            handles = [_Batch(works, [tensor for _, tensor, _ in ops])] * len(ops)
+        recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
+        received.update(zip(recv_keys, recvs))
+        in_flight.extend(handles)
+
+    def take_received(kind: Kind, stage: int, mb: int) -> torch.Tensor:
+        buffer, batch = received.pop((kind, stage, mb))
+        batch.wait()
+        return buffer
+
+    for action in program:
+        if action.kind.is_comm:
+            pending.append(action)
+            continue
+        flush()
+        stage = stages[action.stage]
+        if action.kind == Kind.F:
+            if stage.is_first:
+                x = step.inputs[action.mb]
+            elif (Kind.F, action.stage - 1, action.mb) in produced:  # previous stage on this rank
+                x = produced.pop((Kind.F, action.stage - 1, action.mb))
+            else:
+                x = take_received(Kind.RECV_F, action.stage, action.mb)
+            if stage.is_last:
+                loss = stage.forward(action.mb, x, step.labels[action.mb], step.loss_scales[action.mb])
+                step.losses.append(loss)
+            else:
+                out = stage.forward(action.mb, x)
+                _check_activation(out, step, action)
+                produced[(Kind.F, action.stage, action.mb)] = out
+        elif action.kind == Kind.B:
+            if stage.is_last:
+                grad = None
+            elif (Kind.B, action.stage + 1, action.mb) in produced:  # next stage on this rank
+                grad = produced.pop((Kind.B, action.stage + 1, action.mb))
+            else:
+                grad = take_received(Kind.RECV_B, action.stage, action.mb)
+            grad_input = stage.backward(action.mb, grad)
+            if not stage.is_first:
+                produced[(Kind.B, action.stage, action.mb)] = grad_input
+        else:
+            raise NotImplementedError(f"the runtime cannot execute {action!r}")
+    flush()
+    for batch in in_flight:
+        batch.wait()
+    assert not received and not produced, f"schedule left data unused: {list(received) + list(produced)}"
+
+
+class _Batch:
+    """Work handles of posted transfers, keeping the tensors they read or fill alive until done.
+
+    Waiting is idempotent: gloo hangs if a finished receive is waited on a second time.
+    """
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
+        self.works, self.tensors = works, tensors
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.tensors = [], []
+
+
+def _check_activation(out: torch.Tensor, step: StepData, action: Action) -> None:
+    if tuple(out.shape) != step.activation_shape or out.dtype != step.activation_dtype:
+        raise RuntimeError(
+            f"stage {action.stage} produced {tuple(out.shape)} {out.dtype} for microbatch {action.mb}, but the "
+            f"pipeline transfers {step.activation_shape} {step.activation_dtype}; run the model in the pipeline's "
+            "dtype (or use autocast, which keeps the residual stream in the parameter dtype)"
+        )
+
+
+def run_step(
+    program: list[Action], stage: PipelineStage, comm: PipeComm, step: StepData, tied_weight=None
+) -> torch.Tensor | None:
+    """One training step on this rank: run the program, then finish the gradients of tied weights.
+
+    `tied_weight` is the embedding/LM-head matrix when the model ties them and they live on
+    different ranks (first and last): each end adds the other's gradient, so both hold the
+    gradient of the single shared weight. Returns the summed scaled loss on the last stage.
+    """
+    try:
+        run_program(program, {stage.stage_idx: stage}, comm, step)
+    except BaseException:
+        stage.clear()  # a failed step must not leak activations into the next one
+        raise
+    if tied_weight is not None:
+        if tied_weight.grad is None:
+            tied_weight.grad = torch.zeros_like(tied_weight)
+        peer = comm.pp_size - 1 if stage.is_first else 0
+        comm.exchange_add_(tied_weight.grad, peer)
+    return torch.stack(step.losses).sum() if stage.is_last else None

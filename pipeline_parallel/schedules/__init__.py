@@ -1,0 +1,29 @@
+"""Pipeline schedules as data: generators, lowering to communication, and validation."""
+
+from __future__ import annotations
+
+from .actions import Action, B, F, Kind, Schedule, stage_to_rank, stages_of_rank
+from .gpipe import gpipe
+from .lowering import lower
+from .one_f_one_b import one_f_one_b
+from .validate import ScheduleError, validate
+
+SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, prefetch: bool = True) -> Schedule:
+    """The validated, lowered per-rank action lists of a named schedule."""
+    key = name.lower()
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    lowered = lower(SCHEDULES[key](num_stages, num_microbatches), num_stages, prefetch=prefetch)
+    validate(lowered, num_stages, num_microbatches)
+    return lowered
+
+
+__all__ = [
+    "Action", "B", "F", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "gpipe", "lower",
+    "one_f_one_b", "stage_to_rank", "stages_of_rank", "validate",
+]

@@ -1,0 +1,56 @@
+"""The action IR: a schedule is, for every rank, a list of actions on (stage, microbatch)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NamedTuple
+
+
+class Kind(str, Enum):
+    """What an action does. Compute kinds come from a schedule; comm kinds from `lower`."""
+
+    F = "F"  # forward of one microbatch through one stage
+    B = "B"  # full backward (input and weight gradients) of one microbatch
+    SEND_F = "SEND_F"  # send this stage's forward output to the next stage
+    RECV_F = "RECV_F"  # receive this stage's forward input from the previous stage
+    SEND_B = "SEND_B"  # send this stage's input gradient to the previous stage
+    RECV_B = "RECV_B"  # receive this stage's output gradient from the next stage
+
+    @property
+    def is_comm(self) -> bool:
+        return self in _COMM
+
+
+_COMM = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+
+
+class Action(NamedTuple):
+    """One step of a rank's program, e.g. `F(stage=2, mb=5)` or `RECV_B(stage=1, mb=0)`."""
+
+    kind: Kind
+    stage: int
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind.value}{self.stage}.{self.mb}"
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(Kind.F, stage, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(Kind.B, stage, mb)
+
+
+def stage_to_rank(stage: int, num_ranks: int) -> int:
+    """Stages are dealt to ranks round-robin: one stage per rank, or several (interleaved) in a loop."""
+    return stage % num_ranks
+
+
+def stages_of_rank(rank: int, num_stages: int, num_ranks: int) -> list[int]:
+    """The stages a rank runs, in order."""
+    return list(range(rank, num_stages, num_ranks))
+
+
+Schedule = list[list[Action]]  # one action list per rank

@@ -1,0 +1,73 @@
+"""Lowering: add the sends and receives that a compute-only schedule implies."""
+
+from __future__ import annotations
+
+from .actions import Action, Kind, Schedule, stage_to_rank
+
+
+def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
+    """Insert SEND/RECV actions around each rank's compute actions.
+
+    A forward output goes to the next stage and an input gradient to the previous one, unless
+    that stage lives on the same rank (then the runtime hands it over in memory). With
+    `prefetch`, the receive a compute action needs is posted one compute action earlier, so
+    the transfer overlaps the work in between instead of sitting on the critical path.
+    """
+    num_ranks = len(schedule)
+    lowered: Schedule = []
+    for rank, actions in enumerate(schedule):
+        recvs = [_recv_for(a, num_stages, num_ranks) for a in actions]
+        program: list[Action] = []
+        if prefetch and recvs:
+            program += recvs[0]
+        for i, action in enumerate(actions):
+            if prefetch:
+                program += recvs[i + 1] if i + 1 < len(actions) else []
+            else:
+                program += recvs[i]
+            program.append(action)
+            program += _send_for(action, num_stages, num_ranks)
+        lowered.append(program)
+    return lowered
+
+
+def _peer_stage(action: Action, num_stages: int) -> int | None:
+    """The stage on the other end of this compute action's output."""
+    peer = action.stage + 1 if action.kind == Kind.F else action.stage - 1
+    return peer if 0 <= peer < num_stages else None
+
+
+def _remote(stage: int, peer: int | None, num_ranks: int) -> bool:
+    return peer is not None and stage_to_rank(peer, num_ranks) != stage_to_rank(stage, num_ranks)
+
+
+def _send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+    if action.kind.is_comm or not _remote(action.stage, _peer_stage(action, num_stages), num_ranks):
+        return []
+    kind = Kind.SEND_F if action.kind == Kind.F else Kind.SEND_B
+    return [Action(kind, action.stage, action.mb)]
+
+
+def _recv_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+    source = action.stage - 1 if action.kind == Kind.F else action.stage + 1
+    if not 0 <= source < num_stages or not _remote(action.stage, source, num_ranks):
+        return []
+    kind = Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B
+    return [Action(kind, action.stage, action.mb)]
+
+
+def message(action: Action) -> tuple[str, int, int]:
+    """The identity of the transfer a comm action takes part in: (direction, sender stage, mb).
+
+    SEND_F(s, mb) and RECV_F(s + 1, mb) are the same message; so are SEND_B(s, mb) and
+    RECV_B(s - 1, mb). Matching on this is how the checker pairs sends with receives.
+    """
+    if action.kind == Kind.SEND_F:
+        return ("F", action.stage, action.mb)
+    if action.kind == Kind.RECV_F:
+        return ("F", action.stage - 1, action.mb)
+    if action.kind == Kind.SEND_B:
+        return ("B", action.stage, action.mb)
+    if action.kind == Kind.RECV_B:
+        return ("B", action.stage + 1, action.mb)
+    raise ValueError(f"{action!r} is not a communication action")

@@ -1,0 +1,129 @@
+"""Check a lowered schedule without any process: every action once, sends match receives, no deadlock."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from .actions import Kind, Schedule, stage_to_rank, stages_of_rank
+from .lowering import message
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute wrongly, mismatch messages or hang."""
+
+
+def validate(lowered: Schedule, num_stages: int, num_microbatches: int) -> None:
+    """Raise ScheduleError unless `lowered` runs to completion and computes every gradient once.
+
+    The check replays all ranks together under the runtime's semantics: sends and receives are
+    posted without blocking, and a compute action waits until its input exists (a matched,
+    posted send or a local result). Between each pair of ranks the k-th send must be the k-th
+    receive: peers match point-to-point messages by order, and a mix-up would go unnoticed
+    because all activations of a step have the same shape.
+    """
+    num_ranks = len(lowered)
+    _check_compute_coverage(lowered, num_stages, num_microbatches)
+    _check_channels(lowered, num_ranks)
+    _check_progress(lowered, num_stages, num_ranks)
+
+
+def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int) -> None:
+    num_ranks = len(lowered)
+    for rank, actions in enumerate(lowered):
+        expected = {
+            (kind, stage, mb)
+            for stage in stages_of_rank(rank, num_stages, num_ranks)
+            for mb in range(num_microbatches)
+            for kind in (Kind.F, Kind.B)
+        }
+        seen = [(a.kind, a.stage, a.mb) for a in actions if not a.kind.is_comm]
+        duplicates = {a for a, count in Counter(seen).items() if count > 1}
+        if duplicates:
+            raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
+        missing, extra = expected - set(seen), set(seen) - expected
+        if missing or extra:
+            raise ScheduleError(
+                f"rank {rank} must run F and B of its stages {stages_of_rank(rank, num_stages, num_ranks)} for "
+                f"microbatches 0..{num_microbatches - 1}; missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        done = set()
+        for a in actions:
+            if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+                raise ScheduleError(f"rank {rank} runs {a!r} before the forward of that stage and microbatch")
+            done.add((a.kind, a.stage, a.mb))
+
+
+def _peer(action, num_ranks: int) -> int:
+    direction, sender, _ = message(action)
+    if action.kind in (Kind.SEND_F, Kind.SEND_B):
+        return stage_to_rank(sender + 1 if direction == "F" else sender - 1, num_ranks)
+    return stage_to_rank(sender, num_ranks)
+
+
+def _check_channels(lowered: Schedule, num_ranks: int) -> None:
+    sent, received = defaultdict(list), defaultdict(list)
+    for rank, actions in enumerate(lowered):
+        for a in actions:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                sent[(rank, _peer(a, num_ranks))].append(message(a))
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                received[(_peer(a, num_ranks), rank)].append(message(a))
+    for channel in sorted(set(sent) | set(received)):
+        src, dst = channel
+        sends, recvs = sent[channel], received[channel]
+        for k in range(max(len(sends), len(recvs))):
+            s = sends[k] if k < len(sends) else None
+            r = recvs[k] if k < len(recvs) else None
+            if s != r:
+                raise ScheduleError(
+                    f"message {k} from rank {src} to rank {dst}: rank {src} sends {_describe(s)} but rank {dst} "
+                    f"expects {_describe(r)}; point-to-point messages are matched in order"
+                )
+
+
+def _describe(msg) -> str:
+    if msg is None:
+        return "nothing"
+    direction, stage, mb = msg
+    what = "activation" if direction == "F" else "gradient"
+    return f"the {what} of stage {stage}, microbatch {mb}"
+
+
+def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
+    posted_sends: set = set()
+    posted_recvs: set = set()  # (rank, message)
+    done: set = set()  # (kind, stage, mb) compute actions finished
+    pcs = [0] * num_ranks
+
+    def ready(rank: int, a) -> bool:
+        if a.kind.is_comm:
+            return True
+        if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+            return False
+        source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
+        if not 0 <= source < num_stages:
+            return True
+        if stage_to_rank(source, num_ranks) == rank:
+            return (a.kind, source, a.mb) in done
+        msg = ("F" if a.kind == Kind.F else "B", source, a.mb)
+        return (rank, msg) in posted_recvs and msg in posted_sends
+
+    while any(pc < len(actions) for pc, actions in zip(pcs, lowered)):
+        progressed = False
+        for rank, actions in enumerate(lowered):
+            while pcs[rank] < len(actions) and ready(rank, actions[pcs[rank]]):
+                a = actions[pcs[rank]]
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    posted_sends.add(message(a))
+                elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    posted_recvs.add((rank, message(a)))
+                else:
+                    done.add((a.kind, a.stage, a.mb))
+                pcs[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(
+                f"rank {r} waits at {actions[pc]!r}" for r, (pc, actions) in enumerate(zip(pcs, lowered))
+                if pc < len(actions)
+            )
+            raise ScheduleError(f"schedule deadlocks: {stuck}")
