@@ -57,6 +57,7 @@ class Pipeline:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
         self.layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
         self.program = build_schedule(schedule, self.pp_size, num_microbatches)[self.pp_rank]
+        self._eval_program = build_schedule(schedule, self.pp_size, num_microbatches, forward_only=True)[self.pp_rank]
         self.stage_idx = self.pp_rank
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
         self._settings = fingerprint(
@@ -81,6 +82,14 @@ class Pipeline:
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
+        return self._run(input_ids, labels, training=True)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
+        """The loss of one batch, forward only (no graph kept, gradients untouched), on every rank."""
+        return self._run(input_ids, labels, training=False)
+
+    def _run(self, input_ids, labels, training: bool) -> float:
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches, settings=self._settings,
@@ -91,13 +100,15 @@ class Pipeline:
         step = StepData(
             activation_shape=(info.batch_size // m, info.seq_len, self.config.hidden_size),
             activation_dtype=self.activation_dtype,
+            training=training,
         )
         if self.is_first:
             step.inputs = input_ids.to(self.device).chunk(m)
         if self.is_last:
             step.labels = labels.to(self.device).chunk(m)
             step.loss_scales = [1.0 / info.num_target_tokens] * m
-        loss = run_step(self.program, self.stage, self.comm, step, self._tied_weight)
+        program = self.program if training else self._eval_program
+        loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
         return self.comm.broadcast(result, self.pp_size - 1).item()
 

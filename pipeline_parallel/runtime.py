@@ -25,6 +25,7 @@ class StepData:
     inputs: list[torch.Tensor] | None = None
     labels: list[torch.Tensor] | None = None
     loss_scales: list[float] | None = None
+    training: bool = True  # False: forward only, no graph kept (evaluation)
     losses: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -84,10 +85,12 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             else:
                 x = take_received(Kind.RECV_F, action.stage, action.mb)
             if stage.is_last:
-                loss = stage.forward(action.mb, x, step.labels[action.mb], step.loss_scales[action.mb])
+                loss = stage.forward(
+                    action.mb, x, step.labels[action.mb], step.loss_scales[action.mb], training=step.training
+                )
                 step.losses.append(loss)
             else:
-                out = stage.forward(action.mb, x)
+                out = stage.forward(action.mb, x, training=step.training)
                 _check_activation(out, step, action)
                 produced[(Kind.F, action.stage, action.mb)] = out
         elif action.kind == Kind.B:
@@ -146,7 +149,7 @@ def run_step(
     except BaseException:
         stage.clear()  # a failed step must not leak activations into the next one
         raise
-    if tied_weight is not None:
+    if tied_weight is not None and step.training:
         if tied_weight.grad is None:
             tied_weight.grad = torch.zeros_like(tied_weight)
         peer = comm.pp_size - 1 if stage.is_first else 0

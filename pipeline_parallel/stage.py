@@ -30,15 +30,19 @@ class PipelineStage:
         self.autocast_dtype = autocast_dtype
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward microbatch `mb`; returns the output to hand on (the detached loss on the last stage)."""
-        if not self.is_first:
+    def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0, training: bool = True):
+        """Forward microbatch `mb`; returns the output to hand on (the detached loss on the last stage).
+
+        With `training=False` no graph is built or kept (evaluation).
+        """
+        if not self.is_first and training:
             x = x.detach().requires_grad_()
-        with self._autocast(x):
+        with self._autocast(x), torch.set_grad_enabled(training):
             out = self.parts.forward(x)
-        if self.is_last:
-            out = loss_sum(out, labels) * loss_scale
-        self._saved[mb] = (x, out)
+            if self.is_last:
+                out = loss_sum(out, labels) * loss_scale
+        if training:
+            self._saved[mb] = (x, out)
         return out.detach()
 
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:

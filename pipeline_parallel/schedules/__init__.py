@@ -11,15 +11,20 @@ from .validate import ScheduleError, validate
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, prefetch: bool = True) -> Schedule:
-    """The validated, lowered per-rank action lists of a named schedule."""
+def build_schedule(
+    name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False
+) -> Schedule:
+    """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards)."""
     key = name.lower()
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-    lowered = lower(SCHEDULES[key](num_stages, num_microbatches), num_stages, prefetch=prefetch)
-    validate(lowered, num_stages, num_microbatches)
+    compute = SCHEDULES[key](num_stages, num_microbatches)
+    if forward_only:
+        compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
+    lowered = lower(compute, num_stages, prefetch=prefetch)
+    validate(lowered, num_stages, num_microbatches, forward_only=forward_only)
     return lowered
 
 

@@ -12,7 +12,7 @@ class ScheduleError(ValueError):
     """A schedule that would compute wrongly, mismatch messages or hang."""
 
 
-def validate(lowered: Schedule, num_stages: int, num_microbatches: int) -> None:
+def validate(lowered: Schedule, num_stages: int, num_microbatches: int, forward_only: bool = False) -> None:
     """Raise ScheduleError unless `lowered` runs to completion and computes every gradient once.
 
     The check replays all ranks together under the runtime's semantics: sends and receives are
@@ -22,19 +22,19 @@ def validate(lowered: Schedule, num_stages: int, num_microbatches: int) -> None:
     because all activations of a step have the same shape.
     """
     num_ranks = len(lowered)
-    _check_compute_coverage(lowered, num_stages, num_microbatches)
+    _check_compute_coverage(lowered, num_stages, num_microbatches, (Kind.F,) if forward_only else (Kind.F, Kind.B))
     _check_channels(lowered, num_ranks)
     _check_progress(lowered, num_stages, num_ranks)
 
 
-def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int) -> None:
+def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int, kinds: tuple) -> None:
     num_ranks = len(lowered)
     for rank, actions in enumerate(lowered):
         expected = {
             (kind, stage, mb)
             for stage in stages_of_rank(rank, num_stages, num_ranks)
             for mb in range(num_microbatches)
-            for kind in (Kind.F, Kind.B)
+            for kind in kinds
         }
         seen = [(a.kind, a.stage, a.mb) for a in actions if not a.kind.is_comm]
         duplicates = {a for a, count in Counter(seen).items() if count > 1}
@@ -43,7 +43,7 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
         missing, extra = expected - set(seen), set(seen) - expected
         if missing or extra:
             raise ScheduleError(
-                f"rank {rank} must run F and B of its stages {stages_of_rank(rank, num_stages, num_ranks)} for "
+                f"rank {rank} must run {'/'.join(k.value for k in kinds)} of its stages {stages_of_rank(rank, num_stages, num_ranks)} for "
                 f"microbatches 0..{num_microbatches - 1}; missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
         done = set()
