@@ -89,9 +89,9 @@ def agree_on_batch(
     return BatchInfo(batch_size, seq_len, num_targets)
 
 
-def agree_on_settings(comm: PipeComm, settings: dict[str, int]) -> None:
-    """Raise the same clear error on every rank unless all ranks were given the same settings."""
-    _gather_checked(comm, None, [-1] * 5, settings)
+def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | None = None) -> None:
+    """Raise the same clear error on every rank if any rank failed or the ranks' settings differ."""
+    _gather_checked(comm, local_error, [-1] * 5, settings)
 
 
 def _gather_checked(comm: PipeComm, error: str | None, facts: list[int], settings: dict[str, int]) -> list[list[int]]:

@@ -42,30 +42,25 @@ class Pipeline:
         autocast_dtype: torch.dtype | None = None,
         seed: int = 0,
     ):
-        check_layout(model)
         self.device = torch.device(device) if device is not None else _default_device()
         self.comm = PipeComm(group, self.device)
         self.pp_rank, self.pp_size = self.comm.pp_rank, self.comm.pp_size
-        num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
-        self.config = model.config
-        num_layers = len(model.model.layers)
-        if layer_counts is None:
-            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
-        self.layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
-        self.program = build_schedule(schedule, self.pp_size, num_microbatches)[self.pp_rank]
-        self._eval_program = build_schedule(schedule, self.pp_size, num_microbatches, forward_only=True)[self.pp_rank]
         self.stage_idx = self.pp_rank
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
+        num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
+        self.num_microbatches, self.schedule = num_microbatches, schedule
         self._settings = fingerprint(
-            schedule=schedule.lower(), num_microbatches=num_microbatches, layer_counts=self.layer_counts,
-            model_config=_config_summary(model.config), autocast_dtype=str(autocast_dtype),
+            schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
+            model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
         )
-        # Agree before touching the model, so a mismatched launch fails here and not in a hang.
-        agree_on_settings(self.comm, self._settings)
+        try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
+            self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
+            error = None
+        except (TypeError, ValueError) as e:
+            error = str(e)
+        # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
+        agree_on_settings(self.comm, self._settings, local_error=error)
+        self.config = model.config
 
         tied = self.pp_size > 1 and model.lm_head.weight is model.model.embed_tokens.weight
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
@@ -79,6 +74,18 @@ class Pipeline:
         if tied:
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
         self.activation_dtype = next(model.parameters()).dtype
+
+    def _plan(self, model: nn.Module, layer_counts):
+        """Layers per stage and this rank's train and eval programs; raises on bad arguments."""
+        check_layout(model)
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
+        num_layers = len(model.model.layers)
+        if layer_counts is None:
+            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
+        layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
+        build = lambda **kw: build_schedule(self.schedule, self.pp_size, self.num_microbatches, **kw)[self.pp_rank]
+        return layer_counts, build(), build(forward_only=True)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
@@ -155,6 +162,7 @@ def _default_device() -> torch.device:
 
 
 def _config_summary(config) -> tuple:
+    """The model-shape fields every rank's model must share."""
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "tie_word_embeddings")
     return tuple(getattr(config, key, None) for key in keys)

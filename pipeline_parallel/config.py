@@ -1,0 +1,364 @@
+"""The training program's configuration: dataclasses, TOML file, command-line overrides, validation."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+
+from .models import PRESETS, LlamaConfig
+from .partition import check_layer_counts
+from .schedules import build_schedule
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; raised identically on every rank before any rank waits on another."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"  # a named size (tiny, small, medium, 1b, 8b); the fields below override it
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    tie_word_embeddings: bool | None = None
+    initializer_range: float | None = None
+
+
+@dataclass
+class DataConfig:
+    path: list[str] = field(default_factory=list)  # files, directories or hf:NAME; empty: the Python stdlib
+    tokenizer: str = ""  # tokenizer.json or directory; empty: train a BPE (or use --hf-model's)
+    vocab_size: int = 4096  # of the BPE trained when no tokenizer is given
+    tokenizer_train_chars: int = 20_000_000
+    text_field: str = "text"  # JSONL / Parquet / datasets column
+    seq_len: int = 128
+    max_tokens: int = 0  # cap on the token stream; 0: no cap
+    eval_fraction: float = 0.01
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = "1f1b"  # 1f1b or gpipe
+    num_microbatches: int = 4  # per pipeline step; batch_size must be a multiple
+    layer_counts: list[int] = field(default_factory=list)  # decoder layers per stage; empty: cost-balanced
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16  # sequences per pipeline step
+    grad_accum_steps: int = 1  # pipeline steps per optimizer step
+    max_steps: int = 300  # optimizer steps
+    dtype: str = "fp32"  # fp32, or bf16 (autocast; fp32 weights and optimizer state)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4  # the cosine decays to this
+    warmup_steps: int = 20
+    lr_decay_steps: int = 0  # step at which the cosine reaches min_lr; 0: max_steps
+    weight_decay: float = 0.1  # not applied to norms and biases
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 50  # optimizer steps between held-out evaluations (and one at the end); 0: never
+    max_batches: int = 8  # 0: the whole held-out set
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100  # optimizer steps between checkpoints (and one at the end); 0: only at the end
+    keep_last: int = 2  # 0: keep all
+
+
+@dataclass
+class LogConfig:
+    interval: int = 1  # optimizer steps per metrics line
+    tensorboard: bool = True  # also write TensorBoard events when it is installed
+    plot: bool = True  # write loss.png at the end
+    progress: bool = True  # tqdm progress bar
+
+
+@dataclass
+class ExportConfig:
+    at_end: bool = True  # write a Hugging Face model to run_dir/export at the end
+    dtype: str = "fp32"  # fp32 or bf16
+    prompt: str = "def "
+    sample_tokens: int = 200  # tokens sampled and printed at the end; 0: none
+    temperature: float = 0.8
+    top_k: int = 50
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/tiny"
+    resume: str = "auto"  # auto (latest checkpoint if any), latest (required), never, or a checkpoint path
+    hf_model: str = ""  # a local Hugging Face model directory to start from, instead of our Llama
+    seed: int = 0
+    device: str = "auto"  # auto (cuda if available), cpu or cuda
+    num_threads: int = 0  # CPU threads per rank; 0: cores / local ranks
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+def _keys(cls=Config, prefix: str = "") -> dict[str, type]:
+    """Every settable dotted key ("optim.lr") with its type."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            out |= _keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out[prefix + f.name] = hints[f.name]
+    return out
+
+
+KEYS = _keys()
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, KEYS, n=3)
+    hint = f"; did you mean {' or '.join(close)}?" if close else f"; valid keys: {', '.join(KEYS)}"
+    return ConfigError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def _convert(key: str, value, from_text: bool):
+    """`value` (TOML-typed, or command-line text) as the type of `key`."""
+    kind, optional = KEYS[key], False
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`
+        kind, optional = next(t for t in typing.get_args(kind) if t is not type(None)), True
+    if optional and (value is None or from_text and value.lower() in ("none", "null")):
+        return None
+    try:
+        if typing.get_origin(kind) is list:
+            item = typing.get_args(kind)[0]
+            if from_text:
+                return [item(v.strip()) for v in value.split(",") if v.strip()]
+            items = [value] if isinstance(value, str) else value  # a single path may be given as a string
+            return [_exact(item, v) for v in items]
+        if from_text and kind is bool:
+            if value.lower() not in ("true", "1", "yes", "false", "0", "no"):
+                raise ValueError
+            return value.lower() in ("true", "1", "yes")
+        if from_text:
+            return kind(value)
+        if kind is float and type(value) is int:
+            return float(value)
+        return _exact(kind, value)
+    except (TypeError, ValueError):
+        name = "a list" if typing.get_origin(kind) is list else kind.__name__
+        raise ConfigError(f"config key {key!r} must be {name}, got {value!r}") from None
+
+
+def _exact(kind: type, value):
+    if type(value) is not kind:
+        raise TypeError
+    return value
+
+
+def _set(cfg: Config, key: str, value) -> None:
+    *path, name = key.split(".")
+    target = cfg
+    for part in path:
+        target = getattr(target, part)
+    setattr(target, name, value)
+
+
+def flatten(table: dict, prefix: str = "") -> dict:
+    """A parsed TOML document as {dotted key: value}."""
+    out = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, object] | None = None) -> Config:
+    """Defaults, then the TOML file, then `overrides` ({dotted key: value or text}); unknown keys are errors."""
+    cfg = Config()
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for key, value in flatten(table).items():
+            if key not in KEYS:
+                raise _unknown(key, str(path))
+            _set(cfg, key, _convert(key, value, from_text=False))
+    for key, value in (overrides or {}).items():
+        key = key.replace("-", "_")
+        if key not in KEYS:
+            raise _unknown(key, "the overrides")
+        _set(cfg, key, _convert(key, value, from_text=isinstance(value, str)))
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """`--config FILE` plus `--section.key VALUE` overrides (`--run-dir`, `--resume [PATH]`, `--hf-model`...)."""
+    parser = argparse.ArgumentParser(
+        prog="pipeline_parallel.train", allow_abbrev=False,
+        description="Pipeline-parallel pretraining of a Llama-style model. Launch one process per stage "
+                    "with torchrun. Any config key can be overridden, e.g. --optim.lr 1e-3 --train.max_steps 50.")
+    parser.add_argument("--config", help="TOML config file (see configs/)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None,
+                        help="continue from the latest checkpoint (required to exist) or the one given")
+    args, rest = parser.parse_known_args(argv)
+    overrides: dict[str, object] = {}
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3")
+        key, eq, value = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if key not in KEYS:
+            raise _unknown(key, "the command line")
+        if not eq:
+            if KEYS[key] is bool and (i + 1 == len(rest) or rest[i + 1].startswith("--")):
+                value = "true"  # a bare boolean flag
+            elif i + 1 < len(rest):
+                i, value = i + 1, rest[i + 1]
+            else:
+                raise ConfigError(f"--{key} needs a value")
+        overrides[key] = value
+        i += 1
+    if args.resume is not None:
+        overrides["resume"] = args.resume
+    return load_config(args.config, overrides)
+
+
+def num_layers(cfg: Config) -> int:
+    """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
+    if cfg.hf_model:
+        config_file = Path(cfg.hf_model) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
+        return int(json.loads(config_file.read_text())["num_hidden_layers"])
+    return llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).num_hidden_layers
+
+
+def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    """Our Llama's shape: the preset with every field the config sets."""
+    overrides = {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)
+                 if f.name != "preset" and getattr(cfg.model, f.name) is not None}
+    overrides["vocab_size"] = cfg.model.vocab_size or vocab_size
+    try:
+        return LlamaConfig.from_preset(cfg.model.preset, **overrides)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError for any invalid setting or combination; pure, so every rank agrees."""
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    t, o, d, p = cfg.train, cfg.optim, cfg.data, cfg.pipeline
+    check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
+    check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
+    check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
+    check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")
+    check(cfg.resume in ("auto", "latest", "never") or Path(cfg.resume).is_dir(),
+          f"resume must be auto, latest, never or an existing checkpoint directory, got {cfg.resume!r}")
+    for key in ("train.batch_size", "train.grad_accum_steps", "train.max_steps", "pipeline.num_microbatches",
+                "data.seq_len", "log.interval"):
+        check(_get(cfg, key) >= 1, f"{key} must be >= 1, got {_get(cfg, key)}")
+    for key in ("optim.warmup_steps", "optim.lr_decay_steps", "optim.weight_decay", "optim.grad_clip",
+                "optim.min_lr", "eval.interval", "eval.max_batches", "checkpoint.interval",
+                "checkpoint.keep_last", "data.max_tokens", "export.sample_tokens", "num_threads"):
+        check(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
+    check(o.lr > 0 and o.min_lr <= o.lr, f"need 0 < optim.lr and optim.min_lr <= optim.lr, got {o.lr}, {o.min_lr}")
+    check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
+    check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    check(t.batch_size % p.num_microbatches == 0,
+          f"train.batch_size {t.batch_size} is not divisible by pipeline.num_microbatches {p.num_microbatches}: "
+          "each pipeline step splits the batch into equal microbatches")
+    try:
+        build_schedule(p.schedule, world_size, p.num_microbatches)
+    except ValueError as e:
+        raise ConfigError(f"pipeline.schedule: {e}") from None
+    if cfg.hf_model:
+        check(Path(cfg.hf_model).is_dir(), f"hf_model {cfg.hf_model} is not a directory")
+        named = [f"model.{f.name}" for f in fields(ModelConfig)
+                 if f.name != "preset" and getattr(cfg.model, f.name) is not None]
+        check(not named, f"{', '.join(named)} cannot be set with hf_model: its shape comes from its config.json")
+    else:
+        seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings
+        check(d.seq_len <= seq_max, f"data.seq_len {d.seq_len} exceeds model.max_position_embeddings {seq_max}")
+    layers = num_layers(cfg)
+    check(world_size <= layers, f"{world_size} pipeline stages (ranks) but the model has {layers} decoder layers: "
+                                "every stage needs at least one; use fewer ranks or more layers")
+    if p.layer_counts:
+        try:
+            check_layer_counts(p.layer_counts, layers, world_size)
+        except ValueError as e:
+            raise ConfigError(f"pipeline.layer_counts: {e}") from None
+
+
+def _get(cfg: Config, key: str):
+    target = cfg
+    for part in key.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None values omitted), to print and to keep in the run directory."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    top, sections = [], []
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if is_dataclass(v):
+            body = [f"{g.name} = {value(getattr(v, g.name))}" for g in fields(v) if getattr(v, g.name) is not None]
+            sections.append(f"[{f.name}]\n" + "\n".join(body))
+        else:
+            top.append(f"{f.name} = {value(v)}")
+    return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def with_overrides(cfg: Config, **changes) -> Config:
+    """A copy of `cfg` with dotted-key changes, e.g. with_overrides(cfg, **{"train.max_steps": 6})."""
+    new = replace(cfg, **{f.name: replace(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))})
+    for key, v in changes.items():
+        key = key.replace("__", ".")
+        if key not in KEYS:
+            raise _unknown(key, "with_overrides")
+        _set(new, key, _convert(key, v, from_text=False))
+    return new

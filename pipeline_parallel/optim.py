@@ -1,0 +1,51 @@
+"""AdamW without weight decay on norms and biases, and the linear-warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters (one stage's); matrices decay, vectors (norms, biases) do not.
+
+    The group a parameter falls in depends only on its shape, so every pipeline split builds the
+    same groups and optimizer state keyed by parameter name loads across splits.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, cosine to min_lr, then min_lr.
+
+    A pure function of the step, so a resumed run needs to restore nothing but the step.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = cfg.lr_decay_steps or max_steps
+    if step >= decay_steps:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def scale_grads_(params, factor: float) -> None:
+    """Multiply every gradient by `factor` (turns a sum over accumulation steps into their mean)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and factor != 1.0:
+        torch._foreach_mul_(grads, factor)
