@@ -1,13 +1,12 @@
 """GPipe / all-forward-all-backward (AFAB): every forward first, then every backward.
 
 Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
-Parallelism", 2019. p = 4 stages, m = 4 microbatches (numbers are microbatches):
+Parallelism", 2019. p = 4 stages, m = 4 microbatches, unit-time F (number) and B (bN):
 
-    rank 0: 0 1 2 3 . . . . . . 3 2 1 0
-    rank 1: . 0 1 2 3 . . . . 3 2 1 0 .
-    rank 2: . . 0 1 2 3 . . 3 2 1 0 . .
-    rank 3: . . . 0 1 2 3 3 2 1 0 . . .
-            (forwards)        (backwards)
+    rank 0:  0  1  2  3  .  .  .  .  .  . b3 b2 b1 b0
+    rank 1:  .  0  1  2  3  .  .  .  . b3 b2 b1 b0
+    rank 2:  .  .  0  1  2  3  .  . b3 b2 b1 b0
+    rank 3:  .  .  .  0  1  2  3 b3 b2 b1 b0
 
 Bubble fraction (p - 1) / (m + p - 1); every rank holds the activations of all m
 microbatches at the peak, which is what 1F1B improves on.

@@ -1,13 +1,13 @@
 """1F1B: a short warm-up of forwards, then alternate one forward and one backward.
 
 Narayanan et al., "PipeDream" (2019) and "Efficient Large-Scale Language Model Training on
-GPU Clusters Using Megatron-LM" (2021), non-interleaved schedule. p = 4, m = 6:
+GPU Clusters Using Megatron-LM" (2021), non-interleaved schedule. p = 4, m = 6, unit-time F
+(number) and B (bN):
 
-    rank 0: 0 1 2 3 . . . 0 4 1 5 2 . 3 . 4 . 5
-    rank 1: . 0 1 2 . . 0 3 1 4 2 5 3 . 4 . 5 .
-    rank 2: . . 0 1 . 0 2 1 3 2 4 3 5 4 . 5 . .
-    rank 3: . . . 0 0 1 1 2 2 3 3 4 4 5 5 . . .
-            (F and B numbered by microbatch; each rank's backwards start as soon as possible)
+    rank 0:  0  1  2  3  .  .  . b0  4 b1  5 b2  . b3  . b4  . b5
+    rank 1:  .  0  1  2  .  . b0  3 b1  4 b2  5 b3  . b4  . b5
+    rank 2:  .  .  0  1  . b0  2 b1  3 b2  4 b3  5 b4  . b5
+    rank 3:  .  .  .  0 b0  1 b1  2 b2  3 b3  4 b4  5 b5
 
 Same bubble as GPipe, (p - 1) / (m + p - 1), but rank r holds at most p - r microbatches'
 activations instead of m: memory no longer grows with the number of microbatches.
