@@ -1,0 +1,290 @@
+"""Pipeline: gradients, loss, clipping, evaluation and names against a single-process run of the same model.
+
+One process group per world size runs every case (a module fixture); each test then checks one case's
+results against the reference computed here in the parent on a copy of the same model and batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
+
+import pipeline_parallel as pp
+
+MAX_NORM = 0.05
+TIMEOUT = 120
+CASE_TIMEOUT = 20  # seconds a rank waits on a peer within one case
+
+TRANSFORMERS_MAJOR = int(__import__("transformers").__version__.split(".")[0])
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str = "llama"
+    layers: int = 4
+    schedule: str = "1f1b"
+    m: int = 2
+    batch: int = 4
+    seq: int = 8
+    seq2: int = 5  # the second step's sequence length: shapes may change between steps
+    layer_counts: tuple | None = None
+    tie: bool = False
+    meta: bool = False
+    vocab: int = 64
+    only_owners: bool = False  # ranks other than first/last pass None for input_ids/labels
+    extra: dict = field(default_factory=dict)
+
+    def __repr__(self):
+        return self.name
+
+
+CASES = {
+    1: [
+        Case("w1-gpipe-m1", schedule="gpipe", m=1, batch=2),
+        Case("w1-1f1b-m3", m=3, batch=6),
+        Case("w1-tied-gpipe-m2", schedule="gpipe", tie=True),
+        Case("w1-own-meta-1f1b-m2", kind="own", meta=True, tie=True),
+    ],
+    2: [
+        Case("w2-gpipe-m2", schedule="gpipe", m=2),
+        Case("w2-gpipe-m4", schedule="gpipe", m=4, batch=8),
+        Case("w2-gpipe-m3", schedule="gpipe", m=3, batch=6),
+        Case("w2-1f1b-m2", m=2, only_owners=True),
+        Case("w2-1f1b-m4", m=4, batch=8),
+        Case("w2-1f1b-m3", m=3, batch=6, seq2=11),
+        Case("w2-uneven-3-1-gpipe", schedule="gpipe", m=3, batch=6, layer_counts=(3, 1)),
+        Case("w2-uneven-1-3-1f1b", m=4, batch=4, layer_counts=(1, 3)),
+        Case("w2-tied-1f1b-m3", m=3, batch=6, tie=True, vocab=128),
+        Case("w2-tied-gpipe-m2", schedule="gpipe", m=2, tie=True, only_owners=True),
+        Case("w2-qwen2-gpipe-m3", kind="qwen2", schedule="gpipe", m=3, batch=6),
+        Case("w2-mistral-1f1b-m2", kind="mistral", m=2),
+        Case("w2-mistral-sliding-window-1f1b", kind="mistral", m=2, seq=12, extra={"sliding_window": 4}),
+        Case("w2-gemma-1f1b-m2", kind="gemma", m=2),
+        Case("w2-own-1f1b-m4", kind="own", m=4, batch=8),
+        Case("w2-own-meta-gpipe-m2", kind="own", meta=True, schedule="gpipe"),
+        Case("w2-own-meta-tied-1f1b-m3", kind="own", meta=True, tie=True, m=3, batch=6),
+    ],
+    4: [
+        Case("w4-gpipe-m4", schedule="gpipe", m=4, layers=8),
+        Case("w4-1f1b-m4", m=4, layers=4, only_owners=True),
+        Case("w4-gpipe-m6", schedule="gpipe", m=6, batch=6, layers=8),
+        Case("w4-1f1b-m6", m=6, batch=12, layers=8, seq2=3),
+        Case("w4-uneven-1-2-2-1-1f1b", m=4, layers=6, layer_counts=(1, 2, 2, 1)),
+        Case("w4-uneven-1-2-2-1-gpipe", schedule="gpipe", m=6, batch=6, layers=6, layer_counts=(1, 2, 2, 1)),
+        Case("w4-tied-1f1b-m4", m=4, tie=True, layers=4),
+        Case("w4-own-meta-tied-1f1b-m6", kind="own", meta=True, tie=True, m=6, batch=6, layers=8),
+    ],
+}
+
+TIED_MIDDLE_RANK_BUG = pytest.mark.xfail(strict=True, reason=(
+    "engine bug: pipeline.py Pipeline.__init__ sets self._tied_weight = model.lm_head.weight on every rank but the "
+    "first when embeddings are tied, but a middle rank (pp_size > 2) has no lm_head: AttributeError there while "
+    "the first and last rank go on and wait; guard with `if tied and (self.is_first or self.is_last)`"))
+
+BUGS = {
+    "w4-tied-1f1b-m4": TIED_MIDDLE_RANK_BUG,
+    "w4-own-meta-tied-1f1b-m6": TIED_MIDDLE_RANK_BUG,
+    "w2-mistral-sliding-window-1f1b": pytest.mark.xfail(strict=True, reason=(
+        "engine bug: models/decoder.py causal_mask always calls create_causal_mask, but Mistral (and Qwen2 with "
+        "use_sliding_window) builds its mask with create_sliding_window_causal_mask when config.sliding_window is "
+        "set, so sequences longer than the window attend too far back and gradients differ from the model's own")),
+    "w2-gemma-1f1b-m2": pytest.mark.xfail(TRANSFORMERS_MAJOR < 5, strict=True, reason=(
+        "engine bug with transformers 4.x: Gemma passes check_layout but GemmaModel.forward scales the "
+        "embeddings by sqrt(hidden_size), which DecoderParts.forward skips: silently wrong gradients")),
+}
+
+
+def _batches(case: Case, index: int):
+    x1, y1 = make_batch(case.batch, case.seq, case.vocab, seed=index, num_microbatches=case.m)
+    x2, y2 = make_batch(case.batch, case.seq2, case.vocab, seed=100 + index, num_microbatches=case.m)
+    return (x1, y1), (x2, y2)
+
+
+def _build(case: Case, meta: bool):
+    return build(case.kind, case.layers, case.vocab, case.tie, seed=7, meta=meta, **case.extra)
+
+
+def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) -> dict:
+    """What one rank observes running `case`: names, losses, gradients, clipping, evaluation."""
+    try:
+        model = _build(case, case.meta)
+        counts = list(case.layer_counts) if case.layer_counts else None
+        pipe = pp.Pipeline(model, schedule=case.schedule, num_microbatches=case.m, layer_counts=counts,
+                           device="cpu", seed=7, group=group)
+        error = None
+    except Exception:
+        error = traceback.format_exc()
+    if group is not None:  # a rank that failed to construct must not leave the others waiting in the step
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error, group=group)
+        failed = [f"rank {r}:\n{e}" for r, e in enumerate(errors) if e]
+        if failed:
+            return {"error": "construction failed on " + "\n".join(failed)}
+    elif error:
+        return {"error": error}
+    first, last = rank == 0, rank == world_size - 1
+    (x1, y1), (x2, y2) = _batches(case, index)
+    give = lambda x, y: (x if first or not case.only_owners else None, y if last or not case.only_owners else None)
+    out = {
+        "names": sorted(n for n, _ in pipe.named_parameters()),
+        "all_names": sorted(n for n, _ in pipe.model.named_parameters(remove_duplicate=False)),
+        "layer_keys": list(pipe.model.model.layers.keys()),
+        "meta_left": [n for n, t in [*pipe.model.named_parameters(), *pipe.model.named_buffers()] if t.is_meta],
+        "layer_counts": pipe.layer_counts,
+    }
+    out["eval_before"] = pipe.evaluate(*give(x1, y1))
+    out["grads_none_after_eval"] = all(p.grad is None for p in pipe.parameters())
+    out["loss1"] = pipe.step(*give(x1, y1))
+    out["grads1"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    out["eval_after"] = pipe.evaluate(*give(x1, y1))
+    out["grads_kept_by_eval"] = all(torch.equal(p.grad, out["grads1"][n]) for n, p in pipe.named_parameters())
+    out["norm"] = float(pipe.clip_grad_norm_(MAX_NORM))
+    out["clipped"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    pipe.zero_grad()
+    out["grads_none_after_zero"] = all(p.grad is None for p in pipe.parameters())
+    out["loss2"] = pipe.step(*give(x2, y2))
+    out["grads2"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    return out
+
+
+def _worker(rank: int, world_size: int, cases: list[Case]) -> dict:
+    """Every case on its own process group with a short timeout, so one failing case cannot derail the next."""
+    results = {}
+    for index, case in enumerate(cases):
+        group = None
+        if world_size > 1:
+            dist.barrier()  # default group, long timeout: wait for ranks still timing out in the last case
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT))
+        try:
+            results[case.name] = _run_case(rank, world_size, case, index, group)
+        except Exception:
+            results[case.name] = {"error": traceback.format_exc()}
+    return results
+
+
+def _reference(case: Case, index: int) -> dict:
+    model = _build(case, meta=False)  # own Llama: name-seeded init equals what the meta pipeline materialises
+    (x1, y1), (x2, y2) = _batches(case, index)
+    ref = copy.deepcopy(model)
+    out = {"full_names": [n for n, _ in model.named_parameters(remove_duplicate=False)]}
+    out["loss1"] = full_loss(ref, x1, y1)
+    out["loss1"].backward()
+    out["loss1"] = out["loss1"].item()
+    out["grads1"] = grads(ref)
+    out["norm"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+    out["clipped"] = grads(ref)
+    ref.zero_grad()
+    loss2 = full_loss(ref, x2, y2)
+    loss2.backward()
+    out["loss2"], out["grads2"] = loss2.item(), grads(ref)
+    return out
+
+
+def _warm_up():
+    """Import every model class in the parent once, so forked ranks do not each pay for it."""
+    for kind in ("llama", "qwen2", "mistral", "gemma", "own"):
+        build(kind, 1)
+
+
+@pytest.fixture(scope="module")
+def results():
+    _warm_up()
+    cache = {}
+
+    def get(world_size):
+        if world_size not in cache:
+            cases = CASES[world_size]
+            if world_size == 1:  # no process group at all: a one-rank pipeline never communicates
+                assert not dist.is_initialized()
+                cache[1] = [_worker(0, 1, cases)]
+            else:
+                cache[world_size] = run_distributed(_worker, world_size, cases, timeout=TIMEOUT)
+        return cache[world_size]
+
+    return get
+
+
+def _params():
+    return [pytest.param(ws, i, case, id=case.name, marks=BUGS.get(case.name, ()))
+            for ws, cases in CASES.items() for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("world_size, index, case", _params())
+def test_pipeline_matches_single_process(results, world_size, index, case):
+    per_rank = [r[case.name] for r in results(world_size)]
+    for rank, got in enumerate(per_rank):
+        assert "error" not in got, f"rank {rank} failed:\n{got['error']}"
+    ref = _reference(case, index)
+    counts = list(case.layer_counts) if case.layer_counts else None
+    if counts is None:
+        counts = pp.balanced_layer_counts(case.layers, world_size, pp.estimate_costs(_build(case, True).config))
+    assert per_rank[0]["layer_counts"] == counts
+    assert ref["norm"] > MAX_NORM, "the case must exercise clipping"
+    seen = set()
+    for rank, (got, layers) in enumerate(zip(per_rank, layer_ranges(counts))):
+        first, last = rank == 0, rank == world_size - 1
+        what = f"{case.name} rank {rank}"
+        # Names survive the split: exactly the original names of what this rank owns, nothing else.
+        expected = stage_names(ref["full_names"], layers, first, last, case.tie)
+        assert set(got["names"]) == expected, what
+        assert set(got["all_names"]) <= set(ref["full_names"]), what
+        assert got["layer_keys"] == [str(i) for i in layers], what
+        assert not got["meta_left"], f"{what}: still on the meta device: {got['meta_left']}"
+        seen |= expected
+        # Loss on every rank; gradients of every local parameter, by name.
+        assert got["loss1"] == pytest.approx(ref["loss1"], abs=1e-5), what
+        assert got["loss2"] == pytest.approx(ref["loss2"], abs=1e-5), what
+        assert set(got["grads1"]) == expected, f"{what}: parameters without gradient"
+        assert_grads_close(got["grads1"], ref["grads1"], expected, what=f"{what} step 1")
+        assert_grads_close(got["grads2"], ref["grads2"], expected, what=f"{what} step 2 (seq {case.seq2})")
+        # Global-norm clipping.
+        assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6), what
+        assert_grads_close(got["clipped"], ref["clipped"], expected, atol=1e-6, what=f"{what} clipped")
+        # Evaluation: the same loss, and gradients left exactly as they were.
+        assert got["eval_before"] == pytest.approx(ref["loss1"], abs=1e-5), what
+        assert got["eval_after"] == pytest.approx(ref["loss1"], abs=1e-5), what
+        assert got["grads_none_after_eval"] and got["grads_kept_by_eval"], what
+        assert got["grads_none_after_zero"], what
+    full = set(ref["full_names"]) - ({"lm_head.weight"} if case.tie and world_size == 1 else set())
+    assert seen == full, "the stages together hold the whole model"
+
+
+# HF model built on the meta device ------------------------------------------------------------------------------
+
+def _hf_meta_worker(rank, world_size):
+    model = build("llama", 4, tie=True, meta=True)
+    pipe = pp.Pipeline(model, schedule="1f1b", num_microbatches=2, device="cpu")
+    out = {"meta_left": [n for n, t in [*pipe.model.named_parameters(), *pipe.model.named_buffers()] if t.is_meta],
+           "names": sorted(n for n, _ in pipe.named_parameters())}
+    end = pipe.model.model.embed_tokens.weight if rank == 0 else pipe.model.lm_head.weight
+    ends = [torch.empty_like(end) for _ in range(world_size)]
+    dist.all_gather(ends, end.detach().contiguous())
+    out["tied_ends_equal"] = torch.equal(ends[0], ends[-1])
+    x, y = make_batch(4, 8, num_microbatches=2)
+    out["loss"] = pipe.step(x, y)
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug: models/decoder.py materialize rebuilds a HF rotary embedding with "
+    "type(rotary)(config=..., device=...), but transformers 5 rotary classes take no device argument "
+    "(TypeError); and materialize seeds HF _init_weights per rank, so a tied embedding/LM head gets different "
+    "values on the first and last stage"))
+def test_hf_model_built_on_meta_device():
+    _warm_up()
+    per_rank = run_distributed(_hf_meta_worker, 2, timeout=TIMEOUT)
+    full = [n for n, _ in build("llama", 4, tie=True).named_parameters(remove_duplicate=False)]
+    for rank, got in enumerate(per_rank):
+        assert set(got["names"]) == stage_names(full, layer_ranges([2, 2])[rank], rank == 0, rank == 1, tie=True)
+        assert not got["meta_left"]
+        assert got["tied_ends_equal"], "the tied embedding and LM head must hold the same values"
+        assert torch.isfinite(torch.tensor(got["loss"]))

@@ -1,0 +1,222 @@
+"""Schedules as data: generated GPipe/1F1B lists are valid and bounded; broken lists are caught. No processes."""
+
+from collections import defaultdict
+
+import pytest
+import torch.distributed as dist
+
+from pipeline_parallel import ScheduleError, build_schedule
+from pipeline_parallel.schedules import B, F, Kind, gpipe, lower, one_f_one_b, validate
+from pipeline_parallel.schedules.actions import Action
+
+STAGES = range(1, 7)
+MICROBATCHES = range(1, 10)
+SEND = {Kind.SEND_F, Kind.SEND_B}
+RECV = {Kind.RECV_F, Kind.RECV_B}
+
+
+def _compute(actions):
+    return [a for a in actions if a.kind in (Kind.F, Kind.B)]
+
+
+def _peak_in_flight(actions):
+    live = peak = 0
+    for a in actions:
+        live += a.kind == Kind.F
+        live -= a.kind == Kind.B
+        peak = max(peak, live)
+    return peak
+
+
+def _message(a):
+    """(direction, sending stage, mb) of a comm action; written here independently of the engine."""
+    if a.kind == Kind.SEND_F:
+        return ("F", a.stage, a.mb), a.stage, a.stage + 1
+    if a.kind == Kind.RECV_F:
+        return ("F", a.stage - 1, a.mb), a.stage - 1, a.stage
+    if a.kind == Kind.SEND_B:
+        return ("B", a.stage, a.mb), a.stage, a.stage - 1
+    return ("B", a.stage + 1, a.mb), a.stage + 1, a.stage
+
+
+def _independent_check(schedule, p, m):
+    """Our own check of a lowered one-stage-per-rank schedule: coverage, order, matching, progress."""
+    assert len(schedule) == p
+    for rank, actions in enumerate(schedule):
+        compute = _compute(actions)
+        assert sorted(compute) == sorted([F(rank, mb) for mb in range(m)] + [B(rank, mb) for mb in range(m)])
+        for mb in range(m):
+            assert compute.index(F(rank, mb)) < compute.index(B(rank, mb)), (rank, mb)
+        # sends follow the compute that produced them; receives precede the compute that needs them
+        for i, a in enumerate(actions):
+            if a.kind == Kind.SEND_F:
+                assert F(a.stage, a.mb) in actions[:i]
+            if a.kind == Kind.SEND_B:
+                assert B(a.stage, a.mb) in actions[:i]
+            if a.kind == Kind.RECV_F:
+                assert F(a.stage, a.mb) in actions[i:]
+            if a.kind == Kind.RECV_B:
+                assert B(a.stage, a.mb) in actions[i:]
+        if rank == 0:
+            assert not any(a.kind in (Kind.RECV_F, Kind.SEND_B) for a in actions)
+        if rank == p - 1:
+            assert not any(a.kind in (Kind.SEND_F, Kind.RECV_B) for a in actions)
+    sent, received = defaultdict(list), defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind in SEND or a.kind in RECV:
+                msg, src, dst = _message(a)
+                (sent if a.kind in SEND else received)[(src, dst)].append(msg)
+    assert dict(sent) == dict(received), "every send is a receive, in the same order per pair of ranks"
+    # Replay: comm posts never block; a compute waits for its input (posted send + posted receive).
+    done, posted = set(), set()
+    pcs = [0] * p
+    while any(pc < len(a) for pc, a in zip(pcs, schedule)):
+        moved = False
+        for rank, actions in enumerate(schedule):
+            while pcs[rank] < len(actions):
+                a = actions[pcs[rank]]
+                if a.kind in SEND or a.kind in RECV:
+                    posted.add((a.kind in SEND, _message(a)[0]))
+                else:
+                    src = a.stage - 1 if a.kind == Kind.F else a.stage + 1
+                    msg = ("F" if a.kind == Kind.F else "B", src, a.mb)
+                    needs = 0 <= src < p
+                    if needs and not ((True, msg) in posted and (False, msg) in posted and (a.kind, src, a.mb) in done):
+                        break
+                    if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+                        break
+                    done.add((a.kind, a.stage, a.mb))
+                pcs[rank] += 1
+                moved = True
+        assert moved, f"deadlock at {pcs}"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "afab", "GPipe", "1F1B"])
+def test_generated_schedules_are_valid(name):
+    for p in STAGES:
+        for m in MICROBATCHES:
+            schedule = build_schedule(name, p, m)
+            _independent_check(schedule, p, m)
+            validate(schedule, p, m)
+            # without prefetching the receives too
+            _independent_check(build_schedule(name, p, m, prefetch=False), p, m)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_forward_only_schedules(name):
+    for p in STAGES:
+        for m in MICROBATCHES:
+            schedule = build_schedule(name, p, m, forward_only=True)
+            for rank, actions in enumerate(schedule):
+                assert _compute(actions) == [F(rank, mb) for mb in range(m)]
+                assert not any(a.kind in (Kind.SEND_B, Kind.RECV_B) for a in actions)
+
+
+def test_peak_in_flight_microbatches():
+    for p in STAGES:
+        for m in MICROBATCHES:
+            ofob, gp = build_schedule("1f1b", p, m), build_schedule("gpipe", p, m)
+            for rank in range(p):
+                peak = _peak_in_flight(ofob[rank])
+                assert peak <= p - rank, (p, m, rank, peak)
+                assert peak == min(p - rank, m), (p, m, rank, peak)
+                assert _peak_in_flight(gp[rank]) == m
+
+
+def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
+    gp = gpipe(4, 6)
+    for rank, actions in enumerate(gp):
+        assert [a.kind for a in actions] == [Kind.F] * 6 + [Kind.B] * 6
+    ofob = one_f_one_b(4, 6)
+    assert [a.kind.value for a in ofob[3]] == ["F", "B"] * 6
+    assert [a.kind.value for a in ofob[0][:4]] == ["F"] * 4
+
+
+def test_unknown_schedule_and_bad_microbatch_counts():
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*choose one of"):
+        build_schedule("zigzag", 2, 2)
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1"):
+            build_schedule("1f1b", 2, bad)
+
+
+# Hand-made broken schedules --------------------------------------------------------------------------------------
+
+def _lowered(compute):
+    return lower(compute, len(compute))
+
+
+def test_validator_catches_missing_backward():
+    compute = gpipe(2, 2)
+    compute[1].remove(B(1, 0))
+    with pytest.raises(ScheduleError, match=r"rank 1 must run F/B.*missing \[.*B.*1, 0\)\]"):
+        validate(_lowered(compute), 2, 2)
+
+
+def test_validator_catches_duplicate_action():
+    compute = gpipe(2, 2)
+    compute[0].append(B(0, 1))
+    with pytest.raises(ScheduleError, match="more than once"):
+        validate(_lowered(compute), 2, 2)
+
+
+def test_validator_catches_backward_before_forward():
+    compute = [[F(0, 0), B(0, 1), F(0, 1), B(0, 0)], [F(1, 0), F(1, 1), B(1, 1), B(1, 0)]]
+    with pytest.raises(ScheduleError, match=r"rank 0 runs B0\.1 before the forward"):
+        validate(_lowered(compute), 2, 2)
+
+
+def test_validator_catches_swapped_send_order():
+    schedule = build_schedule("gpipe", 2, 3)
+    program = schedule[0]
+    i, j = program.index(Action(Kind.SEND_F, 0, 0)), program.index(Action(Kind.SEND_F, 0, 1))
+    program[i], program[j] = program[j], program[i]
+    with pytest.raises(ScheduleError, match=r"message 0 from rank 0 to rank 1.*microbatch 1.*microbatch 0.*in order"):
+        validate(schedule, 2, 3)
+
+
+def test_validator_catches_swapped_receive_order():
+    schedule = build_schedule("1f1b", 3, 4)
+    program = schedule[1]
+    i, j = program.index(Action(Kind.RECV_B, 1, 1)), program.index(Action(Kind.RECV_B, 1, 2))
+    program[i], program[j] = program[j], program[i]
+    with pytest.raises(ScheduleError, match="from rank 2 to rank 1.*matched in order"):
+        validate(schedule, 3, 4)
+
+
+def test_validator_catches_missing_receive():
+    schedule = build_schedule("1f1b", 2, 2)
+    schedule[1].remove(Action(Kind.RECV_F, 1, 1))
+    with pytest.raises(ScheduleError, match="rank 1 expects nothing"):
+        validate(schedule, 2, 2)
+
+
+def test_validator_catches_deadlock():
+    # Rank 0 waits for the gradient of mb 0 before it sends the activation of mb 1, while rank 1 waits
+    # for that activation before it computes (and sends) the gradient of mb 0: each waits on the other.
+    schedule = [
+        [F(0, 0), Action(Kind.SEND_F, 0, 0), Action(Kind.RECV_B, 0, 0), B(0, 0),
+         F(0, 1), Action(Kind.SEND_F, 0, 1), Action(Kind.RECV_B, 0, 1), B(0, 1)],
+        [Action(Kind.RECV_F, 1, 0), F(1, 0), Action(Kind.RECV_F, 1, 1), F(1, 1),
+         B(1, 0), Action(Kind.SEND_B, 1, 0), B(1, 1), Action(Kind.SEND_B, 1, 1)],
+    ]
+    with pytest.raises(ScheduleError, match=r"deadlocks: rank 0 waits at B0\.0, rank 1 waits at F1\.1"):
+        validate(schedule, 2, 2)
+    with pytest.raises(AssertionError, match="deadlock"):
+        _independent_check(schedule, 2, 2)
+
+
+def test_validator_catches_receive_never_sent():
+    # rank 1 computes mb 0 before rank 0 ever sends it: the send is missing altogether.
+    schedule = build_schedule("gpipe", 2, 2)
+    schedule[0].remove(Action(Kind.SEND_F, 0, 0))
+    with pytest.raises(ScheduleError, match="rank 0 sends .*but rank 1 expects the activation of stage 0, microbatch 0"):
+        validate(schedule, 2, 2)
+
+
+def test_no_process_group_needed():
+    assert not dist.is_initialized()
+    build_schedule("1f1b", 4, 8)
+    validate(build_schedule("gpipe", 3, 5), 3, 5)
+    assert not dist.is_initialized()
