@@ -46,7 +46,7 @@ CASES = {
     2: [Case("w2-afab-m2", "afab", 2), Case("w2-afab-m3", "afab", 3, mb_size=1),
         Case("w2-1f1b-m4", "1f1b", 4), Case("w2-1f1b-m3-tied", "1f1b", 3, tie=True)],
     4: [Case("w4-afab-m4", "afab", 4), Case("w4-1f1b-m6", "1f1b", 6, layers=8, mb_size=1),
-        Case("w4-1f1b-m4", "1f1b", 4, hooks=False)],
+        Case("w4-1f1b-m4-tied", "1f1b", 4, tie=True, hooks=False)],
 }
 
 HOOKED = ["model.embed_tokens", "model.norm", "lm_head"]
