@@ -52,7 +52,7 @@ def agree_on_batch(
     vocab_size: int,
     num_microbatches: int,
     settings: dict[str, int],
-    local_error: str | None = None,
+    local_error: str | Exception | None = None,
 ) -> BatchInfo:
     """Check the batch where it is held, then share the facts so every rank raises the same error.
 
@@ -89,12 +89,12 @@ def agree_on_batch(
     return BatchInfo(batch_size, seq_len, num_targets)
 
 
-def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | None = None) -> None:
+def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None) -> None:
     """Raise the same clear error on every rank if any rank failed or the ranks' settings differ."""
     _gather_checked(comm, local_error, [-1] * 5, settings)
 
 
-def _gather_checked(comm: PipeComm, error: str | None, facts: list[int], settings: dict[str, int]) -> list[list[int]]:
+def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int]) -> list[list[int]]:
     """All ranks' [error flag, *facts, *settings]; raises on every rank if any rank failed or disagrees."""
     names = sorted(settings)
     rows = comm.all_gather_ints([int(error is not None), *facts, *(settings[n] for n in names)])
@@ -112,11 +112,13 @@ def _gather_checked(comm: PipeComm, error: str | None, facts: list[int], setting
     return rows
 
 
-def _raise_shared_error(comm: PipeComm, error: str | None, failed: list[int]) -> None:
-    messages = [error]
+def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:
+    """Raise the first failing rank's error on every rank (a TypeError stays a TypeError)."""
+    local = None if error is None else (type(error).__name__ == "TypeError", str(error))
+    reports = [local]
     if comm.pp_size > 1:
-        messages = [None] * comm.pp_size
-        dist.all_gather_object(messages, error, group=comm.group)
-    first = failed[0]
-    prefix = "" if comm.pp_size == 1 else f"pipeline rank {first}: "
-    raise ValueError(prefix + str(messages[first if comm.pp_size > 1 else 0]))
+        reports = [None] * comm.pp_size
+        dist.all_gather_object(reports, local, group=comm.group)
+    is_type_error, message = reports[failed[0] if comm.pp_size > 1 else 0]
+    prefix = "" if comm.pp_size == 1 else f"pipeline rank {failed[0]}: "
+    raise (TypeError if is_type_error else ValueError)(prefix + message)

@@ -59,9 +59,9 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     step = StepData(activation_shape=(info.batch_size // num_microbatches, info.seq_len, model.config.hidden_size),
                     activation_dtype=dtype)
     if first:
-        step.inputs = [x.to(device) for x in inputs]
+        step.inputs = [x.to(device, torch.long) for x in inputs]
     if last:
-        step.labels = [y.to(device) for y in targets]
+        step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
     tied = num_stages > 1 and model.lm_head.weight is model.model.embed_tokens.weight

@@ -60,6 +60,12 @@ class PipeComm:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def copy_from_first_(self, tensor: torch.Tensor, is_first: bool) -> None:
+        """The last rank's `tensor` becomes the first rank's (one matrix held at both ends)."""
+        op, peer = ("send", self.pp_size - 1) if is_first else ("recv", 0)
+        for work in self.post([(op, tensor, peer)]):
+            work.wait()
+
     def exchange_add_(self, tensor: torch.Tensor, peer: int) -> None:
         """Add the peer's copy of `tensor` to ours while it adds ours to its own (tied weights)."""
         received = torch.empty_like(tensor)

@@ -35,12 +35,13 @@ def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
 def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | None = None) -> list[int]:
     """Layers per stage, contiguous, each stage >= 1 layer, minimising the costliest stage.
 
-    Stage 0 also pays `costs.embedding` and the last stage `costs.head`. Without costs every layer
-    weighs the same, which gives the even split (earlier stages take the remainder). Exact dynamic
-    programme over split points: O(num_stages * num_layers^2), instant for real models.
+    Stage 0 also pays `costs.embedding` and the last stage `costs.head`; without costs, the even
+    split (earlier stages take the remainder). Exact dynamic programme over split points:
+    O(num_stages * num_layers^2), instant for real models.
     """
     _check_stage_count(num_layers, num_stages)
-    costs = costs or StageCosts(layer=1.0)
+    if costs is None:  # the even split: earlier stages take the remainder
+        return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
     def stage_cost(first: int, last: int, stage: int) -> float:
         cost = (last - first) * costs.layer

@@ -57,7 +57,7 @@ class Pipeline:
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
             error = None
         except (TypeError, ValueError) as e:
-            error = str(e)
+            error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
         agree_on_settings(self.comm, self._settings, local_error=error)
         self.config = model.config
@@ -65,14 +65,17 @@ class Pipeline:
         tied = self.pp_size > 1 and model.lm_head.weight is model.model.embed_tokens.weight
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
-        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        if on_meta:
             materialize(model, self.device, seed)
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
         self._tied_weight = None
-        if tied:
+        if tied and (self.is_first or self.is_last):
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
+            if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
+                self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
         self.activation_dtype = next(model.parameters()).dtype
 
     def _plan(self, model: nn.Module, layer_counts):
@@ -110,9 +113,9 @@ class Pipeline:
             training=training,
         )
         if self.is_first:
-            step.inputs = input_ids.to(self.device).chunk(m)
+            step.inputs = input_ids.to(self.device, torch.long).chunk(m)
         if self.is_last:
-            step.labels = labels.to(self.device).chunk(m)
+            step.labels = labels.to(self.device, torch.long).chunk(m)
             step.loss_scales = [1.0 / info.num_target_tokens] * m
         program = self.program if training else self._eval_program
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)

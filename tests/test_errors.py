@@ -132,12 +132,7 @@ PIPELINE_CASES = {
     "inputs-int16": (lambda r, w, g: _step_with(g, x=X.short()), OK_OR_VALUE_ERROR, r"input_ids.*dtype"),
 }
 
-DTYPE_BUG = pytest.mark.xfail(strict=True, reason=(
-    "engine bug: batch.py check_token_tensor accepts int16/int32/uint8 token tensors, but nn.Embedding takes only "
-    "int32/int64 ids and F.cross_entropy only int64/uint8 targets: the first (int16 input_ids) or last (int32 "
-    "labels) rank raises inside the step while the other ranks wait on a receive until the gloo timeout; accept "
-    "only the dtypes the model takes (or convert with .long() after the check)"))
-PIPELINE_BUGS = {"labels-int32": DTYPE_BUG, "inputs-int16": DTYPE_BUG}
+PIPELINE_BUGS = {}
 
 WORLD4_CASES = {
     "more-stages-than-layers": (lambda r, w, g: _pipe(g, layers=2), ValueError,

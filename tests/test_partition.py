@@ -22,12 +22,6 @@ def _max_cost(counts, costs):
                for s, c in enumerate(counts))
 
 
-EVEN_SPLIT_BUG = (
-    "engine bug: partition.py balanced_layer_counts minimises only the costliest stage and breaks ties towards "
-    "larger earlier stages, so equal-cost layers give e.g. [3, 3, 1] for 7 layers over 3 stages instead of the "
-    "even split [3, 2, 2] its docstring (and the classic API) promise"
-)
-
 
 def _even(layers, stages):
     return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
@@ -36,8 +30,7 @@ def _even(layers, stages):
 @pytest.mark.parametrize("layers, stages, expected", [
     (8, 2, [4, 4]), (8, 4, [2, 2, 2, 2]), (6, 4, [2, 2, 1, 1]), (5, 5, [1] * 5), (4, 1, [4]), (9, 2, [5, 4]),
     (6, 1, [6]), (4, 4, [1, 1, 1, 1]), (5, 2, [3, 2]),
-    pytest.param(7, 3, [3, 2, 2], marks=pytest.mark.xfail(strict=True, reason=EVEN_SPLIT_BUG)),
-    pytest.param(10, 4, [3, 3, 2, 2], marks=pytest.mark.xfail(strict=True, reason=EVEN_SPLIT_BUG)),
+    (7, 3, [3, 2, 2]), (10, 4, [3, 3, 2, 2]),
 ])
 def test_even_split_without_costs(layers, stages, expected):
     assert balanced_layer_counts(layers, stages) == expected
@@ -51,7 +44,6 @@ def test_split_without_costs_is_contiguous_and_minimax(layers):
         assert max(counts) == -(-layers // stages), (layers, stages, counts)
 
 
-@pytest.mark.xfail(strict=True, reason=EVEN_SPLIT_BUG)
 def test_split_without_costs_is_the_even_split_for_every_stage_count():
     wrong = [(n, s, balanced_layer_counts(n, s)) for n in range(1, 13) for s in range(1, n + 1)
              if balanced_layer_counts(n, s) != _even(n, s)]

@@ -52,10 +52,13 @@ class DecoderParts:
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        mask = causal_mask(self.config, hidden, position_ids)
-        for _, layer in self.layers:
+        masks: dict[str, object] = {}  # one per attention kind the stage's layers use
+        for index, layer in self.layers:
+            kind = attention_kind(self.config, index)
+            if kind not in masks:
+                masks[kind] = causal_mask(self.config, hidden, position_ids, sliding=kind == "sliding_attention")
             hidden = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
             )
             if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
                 hidden = hidden[0]
@@ -78,6 +81,12 @@ def check_layout(model: nn.Module) -> None:
         ]
         if owner is None or not hasattr(owner, attr)
     ]
+    if not missing and _scales_embeddings_outside(model):
+        raise TypeError(
+            f"{type(model).__name__} scales its embeddings inside the model's forward in this transformers "
+            "version, which a pipeline stage cannot reproduce; upgrade transformers to 5.x, where the "
+            "scaling lives in the embedding module"
+        )
     if missing or not hasattr(model, "config"):
         raise TypeError(
             f"{type(model).__name__} is not a supported decoder-only causal LM: missing {missing or ['config']}. "
@@ -86,23 +95,44 @@ def check_layout(model: nn.Module) -> None:
         )
 
 
-def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor):
+def _scales_embeddings_outside(model: nn.Module) -> bool:
+    """Gemma-family models before transformers 5 multiply embeddings by sqrt(hidden) in forward."""
+    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    return model_type.startswith(("gemma", "recurrent_gemma")) and type(model.model.embed_tokens) is nn.Embedding
+
+
+def attention_kind(config, layer_idx: int) -> str:
+    """"full_attention" or "sliding_attention" for a decoder layer, decided as the HF model does.
+
+    Models that mix both (Qwen2 with sliding layers, Gemma 2/3) list `config.layer_types`;
+    Mistral-style models slide every layer when `config.sliding_window` is set.
+    """
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_idx]
+    if _is_hf_config(config) and getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, sliding: bool = False):
     """The attention mask a Hugging Face decoder layer expects for plain causal attention.
 
-    Built by transformers' own `create_causal_mask`, so every attention implementation (sdpa,
-    eager, flex) gets the mask it would get in the unpipelined model; `None` for our own Llama,
-    whose attention is causal by construction.
+    Built by transformers' own `create_causal_mask` (or its sliding-window twin), so every
+    attention implementation (sdpa, eager, flex) gets the mask it would get in the unpipelined
+    model; `None` for our own Llama, whose attention is causal by construction.
     """
     if not _is_hf_config(config):
         return None
-    from transformers.masking_utils import create_causal_mask
+    from transformers import masking_utils
 
+    create = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
     kwargs = dict(config=config, attention_mask=None, past_key_values=None, position_ids=position_ids)
     params = _mask_params()
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
     if "cache_position" in params:  # transformers < 5
         kwargs["cache_position"] = position_ids[0]
-    return create_causal_mask(**kwargs)
+    return create(**kwargs)
 
 
 def _is_hf_config(config) -> bool:
@@ -160,4 +190,5 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
     if hasattr(rotary, "reset_inv_freq"):
         rotary.reset_inv_freq(device)
     else:
-        model.model.rotary_emb = type(rotary)(config=model.config, device=device)
+        with torch.device(device):  # HF rotary tables are computed in __init__
+            model.model.rotary_emb = type(rotary)(config=model.config)
