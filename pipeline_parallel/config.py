@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import os
-import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 from .models import PRESETS, LlamaConfig
 from .partition import check_layer_counts
@@ -101,7 +106,7 @@ class LogConfig:
 class ExportConfig:
     at_end: bool = True  # write a Hugging Face model to run_dir/export at the end
     dtype: str = "fp32"  # fp32 or bf16
-    prompt: str = "def "
+    prompt: str = ""  # text the sample continues; empty: a new document
     sample_tokens: int = 200  # tokens sampled and printed at the end; 0: none
     temperature: float = 0.8
     top_k: int = 50
@@ -181,27 +186,35 @@ def _exact(kind: type, value):
     return value
 
 
-def _set(cfg: Config, key: str, value) -> None:
+def _owner(cfg: Config, key: str) -> tuple[object, str]:
+    """The section object holding dotted `key`, and the field name in it."""
     *path, name = key.split(".")
-    target = cfg
     for part in path:
-        target = getattr(target, part)
-    setattr(target, name, value)
+        cfg = getattr(cfg, part)
+    return cfg, name
 
 
-def flatten(table: dict, prefix: str = "") -> dict:
-    """A parsed TOML document as {dotted key: value}."""
-    out = {}
-    for k, v in table.items():
-        if isinstance(v, dict):
-            out |= flatten(v, f"{prefix}{k}.")
-        else:
-            out[prefix + k] = v
-    return out
+def _get(cfg: Config, key: str):
+    return getattr(*_owner(cfg, key))
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict[str, object] | None = None) -> Config:
-    """Defaults, then the TOML file, then `overrides` ({dotted key: value or text}); unknown keys are errors."""
+def apply(cfg: Config, changes: dict[str, object], where: str, from_text: bool = False) -> Config:
+    """Set dotted keys of `cfg` in place, from typed values (TOML) or text (the command line)."""
+    for key, value in changes.items():
+        key = key.replace("-", "_")
+        if key not in KEYS:
+            raise _unknown(key, where)
+        setattr(*_owner(cfg, key), _convert(key, value, from_text))
+    return cfg
+
+
+def with_overrides(cfg: Config, **changes) -> Config:
+    """A copy of `cfg` with dotted-key changes, e.g. with_overrides(cfg, **{"train.max_steps": 6})."""
+    return apply(copy.deepcopy(cfg), changes, "with_overrides")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None) -> Config:
+    """Defaults, then the TOML file, then `overrides` ({dotted key: text}); unknown keys are errors."""
     cfg = Config()
     if path is not None:
         try:
@@ -211,32 +224,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, obje
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        for key, value in flatten(table).items():
-            if key not in KEYS:
-                raise _unknown(key, str(path))
-            _set(cfg, key, _convert(key, value, from_text=False))
-    for key, value in (overrides or {}).items():
-        key = key.replace("-", "_")
-        if key not in KEYS:
-            raise _unknown(key, "the overrides")
-        _set(cfg, key, _convert(key, value, from_text=isinstance(value, str)))
-    return cfg
+        flat = {}
+        for name, value in table.items():  # [section] tables hold one level of keys
+            flat |= {f"{name}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {name: value}
+        apply(cfg, flat, str(path))
+    return apply(cfg, overrides or {}, "the command line", from_text=True)
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`--config FILE` plus `--section.key VALUE` overrides (`--run-dir`, `--resume [PATH]`, `--hf-model`...)."""
+    """`--config FILE`, then `--section.key VALUE` overrides (`--run-dir`, `--hf-model`, `--resume [PATH]`...)."""
     parser = argparse.ArgumentParser(
         prog="pipeline_parallel.train", allow_abbrev=False,
-        description="Pipeline-parallel pretraining of a Llama-style model. Launch one process per stage "
-                    "with torchrun. Any config key can be overridden, e.g. --optim.lr 1e-3 --train.max_steps 50.")
+        description="Pipeline-parallel pretraining of a Llama-style model; launch one process per stage with "
+                    "torchrun. Every config key can be overridden: --optim.lr 1e-3 --train.max_steps 50 ...")
     parser.add_argument("--config", help="TOML config file (see configs/)")
     parser.add_argument("--resume", nargs="?", const="latest", default=None,
-                        help="continue from the latest checkpoint (required to exist) or the one given")
+                        help="continue from the latest checkpoint (which must exist), or from the one given")
     args, rest = parser.parse_known_args(argv)
-    overrides: dict[str, object] = {}
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
+    overrides: dict[str, str] = {}
+    while rest:
+        arg = rest.pop(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3")
         key, eq, value = arg[2:].partition("=")
@@ -244,14 +251,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         if key not in KEYS:
             raise _unknown(key, "the command line")
         if not eq:
-            if KEYS[key] is bool and (i + 1 == len(rest) or rest[i + 1].startswith("--")):
+            if KEYS[key] is bool and (not rest or rest[0].startswith("--")):
                 value = "true"  # a bare boolean flag
-            elif i + 1 < len(rest):
-                i, value = i + 1, rest[i + 1]
+            elif rest:
+                value = rest.pop(0)
             else:
                 raise ConfigError(f"--{key} needs a value")
         overrides[key] = value
-        i += 1
     if args.resume is not None:
         overrides["resume"] = args.resume
     return load_config(args.config, overrides)
@@ -326,13 +332,6 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"pipeline.layer_counts: {e}") from None
 
 
-def _get(cfg: Config, key: str):
-    target = cfg
-    for part in key.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (None values omitted), to print and to keep in the run directory."""
     def value(v) -> str:
@@ -351,14 +350,3 @@ def to_toml(cfg: Config) -> str:
         else:
             top.append(f"{f.name} = {value(v)}")
     return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
-
-
-def with_overrides(cfg: Config, **changes) -> Config:
-    """A copy of `cfg` with dotted-key changes, e.g. with_overrides(cfg, **{"train.max_steps": 6})."""
-    new = replace(cfg, **{f.name: replace(getattr(cfg, f.name)) for f in fields(cfg) if is_dataclass(getattr(cfg, f.name))})
-    for key, v in changes.items():
-        key = key.replace("__", ".")
-        if key not in KEYS:
-            raise _unknown(key, "with_overrides")
-        _set(new, key, _convert(key, v, from_text=False))
-    return new

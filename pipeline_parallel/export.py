@@ -1,0 +1,174 @@
+"""Hugging Face interchange: start a stage from HF weights, and export a checkpoint as one HF model.
+
+    python -m pipeline_parallel.export runs/tiny [--out DIR] [--dtype bf16]
+
+The input is a run directory (its latest checkpoint) or one checkpoint directory, saved at any
+pipeline size. The output is `model.safetensors`, `config.json` and the tokenizer files, which
+`transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import META, latest_checkpoint, load_checkpoint
+from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+
+EXPORT_DIR = "export"  # in the run directory
+TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def hf_config_dict(model: nn.Module, eos_id: int) -> dict:
+    """The model's Hugging Face config as a JSON-able dict, with the tokenizer's end-of-text id."""
+    config = model.config.to_hf_config() if hasattr(model.config, "to_hf_config") else model.config
+    config = type(config).from_dict(config.to_dict())  # a copy: the ids below must not leak into the model
+    config.eos_token_id = config.bos_token_id = eos_id
+    return json.loads(config.to_json_string())
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Copy the weights of the local HF model at `path` into `model` (a full model or one stage).
+
+    Reads only the tensors this stage owns from the `*.safetensors` files, so no rank holds the
+    whole model. A tied LM head missing from the files takes the embedding.
+    """
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
+                                "save_pretrained(safe_serialization=True)")
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    state = model.state_dict()
+    missing = []
+    for name, tensor in state.items():
+        source = name if name in where else "model.embed_tokens.weight" if name == "lm_head.weight" else None
+        if source not in where:
+            missing.append(name)
+            continue
+        value = where[source].get_tensor(source)
+        if value.shape != tensor.shape:
+            raise ValueError(f"{path}: {source} has shape {tuple(value.shape)}, the model {tuple(tensor.shape)}")
+        tensor.copy_(value)
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} weights of this stage, e.g. {missing[:3]}")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory: `path` itself, or the latest checkpoint of the run directory `path`."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
+    return found
+
+
+def checkpoint_extra(checkpoint: str | Path) -> dict:
+    """What the training program stored with a checkpoint (step, data position, model config...)."""
+    return json.loads((Path(checkpoint) / META).read_text())["extra"]
+
+
+def run_tokenizer(run_dir: str | Path) -> Tokenizer:
+    """The tokenizer a run trained with: the user's copy in run_dir/tokenizer, else the trained one."""
+    run_dir = Path(run_dir)
+    return load_tokenizer(run_dir / TOKENIZER_DIR if (run_dir / TOKENIZER_DIR).is_dir() else run_dir / TOKENIZER_FILE)
+
+
+def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]:
+    """The whole model of a checkpoint (any pipeline size) on this one process, and its tokenizer.
+
+    Built as the matching `transformers` class (our Llama's parameter names are Hugging Face's).
+    Under torch.distributed, pass a process group holding only this rank.
+    """
+    import transformers
+
+    checkpoint = resolve_checkpoint(path)
+    config = dict(checkpoint_extra(checkpoint)["model_config"])
+    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # buffers no checkpoint holds
+    model.tie_weights()
+    logger = logging.getLogger("pipeline_parallel.checkpoint")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its "RNG not restored" note means nothing here
+    try:
+        with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            load_checkpoint(checkpoint, model, None, group=group)
+    finally:
+        logger.setLevel(level)
+    return model.eval(), run_tokenizer(checkpoint.parent.parent)
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int | None = None) -> None:
+    """Write tokenizer files that `transformers.AutoTokenizer.from_pretrained` loads (4.x and 5.x alike)."""
+    if tokenizer.hf is not None and tokenizer.hf.eos_token_id == tokenizer.eos_id:  # a complete HF tokenizer
+        tokenizer.hf.save_pretrained(out_dir)
+        return
+    tokenizer.save(out_dir)  # tokenizer.json
+    eos = tokenizer.backend.id_to_token(tokenizer.eos_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
+    if model_max_length:
+        config["model_max_length"] = model_max_length
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32") -> Path:
+    """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`.
+
+    Written into a temporary directory and renamed, so `out_dir` is never half written.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = type(model.config).from_dict(model.config.to_dict())
+    config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    config.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp, getattr(config, "max_position_embeddings", None))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):
+    """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
+    checkpoint = resolve_checkpoint(path)
+    model, tokenizer = load_full_model(checkpoint, group)
+    out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
+    return save_hf_model(model, tokenizer, out_dir, dtype), model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pipeline_parallel.export", description=__doc__.split("\n")[0])
+    parser.add_argument("path", help="run directory (uses its latest checkpoint) or checkpoint directory")
+    parser.add_argument("--out", help="output directory (default: RUN_DIR/export)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    args = parser.parse_args(argv)
+    out_dir, model, _ = export(args.path, args.out, args.dtype)
+    print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

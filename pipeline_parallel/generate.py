@@ -1,0 +1,62 @@
+"""Sample text from a training run, a checkpoint, or an exported Hugging Face model.
+
+    python -m pipeline_parallel.generate runs/tiny --prompt "def" --max-new-tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import META
+from .export import load_full_model
+from .models import generate
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
+    """An exported model directory (config.json + safetensors), or a run / checkpoint directory."""
+    path = Path(path)
+    if (path / "config.json").is_file() and not (path / META).is_file():
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        return model.eval(), load_tokenizer(path)
+    return load_full_model(path)
+
+
+def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tokens: int = 200,
+           temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
+    """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document)."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
+                   top_k=top_k or None, generator=generator if device.type == "cpu" else None)
+    new = out[0, len(ids):].tolist()
+    return prompt + tokenizer.decode(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pipeline_parallel.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("path", help="exported model directory, run directory or checkpoint directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.path)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(sample(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                     args.seed + i))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""Pretraining program, one process per pipeline stage: `torchrun --nproc-per-node N -m pipeline_parallel.train`."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, ConfigError, llama_config, parse_args, to_toml, validate
+from .data import TokenBatches, eval_batches, prepare_data
+from .export import (EXPORT_DIR, TOKENIZER_DIR, checkpoint_extra, export, hf_config_dict, load_hf_weights)
+from .generate import sample
+from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
+from .models import LlamaForCausalLM, num_parameters
+from .optim import build_optimizer, lr_at, scale_grads_, set_lr
+from .pipeline import Pipeline
+
+# Model fields a checkpoint must agree on to be resumed.
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def setup_distributed(cfg: Config) -> tuple[torch.device, bool]:
+    """This rank's device and CPU threads; joins the torchrun process group unless one exists.
+
+    Returns (device, whether this call created the process group and so must destroy it).
+    """
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(cfg.num_threads or max(1, cores // local_ranks))
+    owns_group = world_size() > 1 and not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return device, owns_group
+
+
+def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
+    """The full model on the meta device (no memory): our Llama, or the architecture of --hf-model."""
+    with torch.device("meta"):
+        if not cfg.hf_model:
+            return LlamaForCausalLM(llama_config(cfg, vocab_size))
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _add_reset_inv_freq(model.model.rotary_emb)
+    return model
+
+
+def _add_reset_inv_freq(rotary: torch.nn.Module) -> None:
+    """Let the engine's materialize() recompute a Hugging Face rotary table after `to_empty`.
+
+    Workaround: transformers 5 rotary classes take no `device` argument, which the engine's
+    fallback passes; it calls `reset_inv_freq(device)` when a module has one, as ours does.
+    """
+    if hasattr(rotary, "reset_inv_freq"):
+        return
+
+    def reset_inv_freq(device=None):
+        with torch.device(device or "cpu"):
+            fresh = type(rotary)(config=rotary.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            setattr(rotary, name, buffer)
+
+    rotary.reset_inv_freq = reset_inv_freq
+
+
+class Trainer:
+    """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
+
+    def __init__(self, cfg: Config):
+        validate(cfg, world_size())  # before any rank waits on another
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.device, self.owns_group = setup_distributed(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.say(f"resolved config:\n{to_toml(cfg)}")
+
+        tokenizer = cfg.data.tokenizer or cfg.hf_model or None
+        self.data = self._rank0_first(lambda: prepare_data(
+            self.run_dir, cfg.data.path or None, seq_len=cfg.data.seq_len, tokenizer=tokenizer,
+            vocab_size=cfg.data.vocab_size, text_field=cfg.data.text_field, max_tokens=cfg.data.max_tokens or None,
+            eval_fraction=cfg.data.eval_fraction, tokenizer_train_chars=cfg.data.tokenizer_train_chars))
+        tok = self.data.tokenizer
+        model = build_model(cfg, tok.vocab_size)
+        if tok.vocab_size > model.config.vocab_size:
+            raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
+        self.model_config = hf_config_dict(model, tok.eos_id)
+        self.say(f"model: {num_parameters(model):,} parameters, {self.model_config['num_hidden_layers']} layers; data: "
+                 f"{len(self.data.train):,} train and {len(self.data.eval):,} held-out sequences of "
+                 f"{cfg.data.seq_len} tokens, vocabulary {tok.vocab_size:,}")
+
+        autocast = torch.bfloat16 if cfg.train.dtype == "bf16" else None
+        self.pipe = Pipeline(model, cfg.pipeline.schedule, cfg.pipeline.num_microbatches,
+                             layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
+                             autocast_dtype=autocast, seed=cfg.seed)
+        self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
+        self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,
+                                    need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
+        m = cfg.pipeline.num_microbatches
+        self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
+        self.step, self.tokens, self.checkpoint = 0, 0, None
+        self._resume_or_start()
+        self.reporter = self.pipe.is_last  # knows the loss first; shows the bar and writes the metrics
+        self.metrics = MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None
+
+    def say(self, message: str, rank: int = 0) -> None:
+        if self.rank == rank:
+            tqdm.write(message)
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Barrier that tells every rank whether all succeeded, so none waits on a failed one."""
+        if not dist.is_initialized():
+            return ok
+        flag = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _rank0_first(self, fn):
+        """Run `fn` on rank 0, then on the others (they reuse what rank 0 cached); failures raise everywhere."""
+        result = None
+        for turn in (True, False):
+            error = None
+            if (self.rank == 0) == turn:
+                try:
+                    result = fn()
+                except Exception as e:
+                    error = e
+            if not self._all_ok(error is None):
+                raise error or RuntimeError("another rank failed preparing the data; see its error")
+        return result
+
+    def _resume_or_start(self) -> None:
+        cfg = self.cfg
+        path = None if cfg.resume == "never" else latest_checkpoint(self.run_dir) if cfg.resume in (
+            "auto", "latest") else Path(cfg.resume)
+        if path is None and cfg.resume == "latest":
+            raise ConfigError(f"resume = latest, but {self.run_dir / 'checkpoints'} holds no checkpoint")
+        if self.rank == 0:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            if self.data.tokenizer.hf is not None or cfg.data.tokenizer:  # keep a copy for export
+                self.data.tokenizer.save(self.run_dir / TOKENIZER_DIR)
+        if path is None:
+            if cfg.hf_model:
+                load_hf_weights(self.pipe.model, cfg.hf_model)
+            return
+        extra = checkpoint_extra(path)
+        saved = {k: extra["model_config"].get(k) for k in ARCH_KEYS}
+        current = {k: self.model_config.get(k) for k in ARCH_KEYS}
+        if saved != current:
+            raise ConfigError(f"{path} holds a different model ({saved}) than configured ({current})")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            load_checkpoint(path, self.pipe.model, self.optimizer)
+        self.batches.load_state_dict(extra["data"])
+        self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
+        self.say(f"resumed from {path} at step {self.step}")
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum_steps pipeline steps; returns its metrics."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.train.max_steps)
+        set_lr(self.optimizer, lr)
+        accum, loss = cfg.train.grad_accum_steps, 0.0
+        for _ in range(accum):
+            inputs, labels = next(self.batches)
+            loss += self.pipe.step(inputs, labels) / accum  # each step: token mean of its own batch
+        scale_grads_(self.pipe.parameters(), 1.0 / accum)
+        grad_norm = self.pipe.clip_grad_norm_(cfg.optim.grad_clip or math.inf).item()
+        self.optimizer.step()
+        self.pipe.zero_grad()
+        self.step += 1
+        self.tokens += accum_tokens(cfg)
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
+
+    def evaluate(self) -> float | None:
+        """Mean loss over (up to max_batches) held-out batches; None if there are too few sequences."""
+        if self.eval_batch_size == 0:
+            return None
+        losses = []
+        for inputs, labels in eval_batches(self.data.eval, self.eval_batch_size, need_inputs=self.pipe.is_first,
+                                           need_labels=self.pipe.is_last, drop_last=True):
+            losses.append(self.pipe.evaluate(inputs, labels))
+            if len(losses) == self.cfg.eval.max_batches:
+                break
+        return sum(losses) / len(losses)
+
+    def save(self) -> None:
+        extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
+                 "model_config": self.model_config}
+        with warnings.catch_warnings():  # DCP's note that a 1-rank run saves "in a single process"
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
+                                              self.cfg.checkpoint.keep_last)
+
+    def fit(self) -> list[dict]:
+        """Train to max_steps, evaluating and checkpointing on schedule; returns the logged records."""
+        cfg, records = self.cfg, []
+        max_steps, p, m = cfg.train.max_steps, self.pipe.pp_size, self.pipe.num_microbatches
+        bubble = bubble_fraction(p, m)
+        bar = tqdm(total=max_steps, initial=self.step, desc="train", dynamic_ncols=True,
+                   disable=not (self.reporter and cfg.log.progress))
+        timed_tokens, timed_seconds = 0, 0.0
+        while self.step < max_steps:
+            start = time.perf_counter()
+            record = self.train_step()
+            timed_seconds += time.perf_counter() - start
+            timed_tokens += accum_tokens(cfg)
+            last = self.step == max_steps
+            if self.step % cfg.log.interval == 0 or last:
+                rate = timed_tokens / timed_seconds
+                record |= {"tokens_per_s": rate, "bubble_fraction": bubble, "effective_tokens_per_s": rate / (1 - bubble)}
+                self._log(record, records)
+                bar.set_postfix_str(f"loss {record['loss']:.3f} lr {record['lr']:.2e} {rate:,.0f} tok/s "
+                                    f"bubble {bubble:.0%} eff {rate / (1 - bubble):,.0f} tok/s", refresh=False)
+                timed_tokens, timed_seconds = 0, 0.0
+            bar.update(1)
+            if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or last):
+                eval_loss = self.evaluate()
+                if eval_loss is not None:
+                    self._log({"step": self.step, "eval_loss": eval_loss}, records)
+                    if self.reporter:
+                        bar.write(f"step {self.step}: eval loss {eval_loss:.4f}")
+            if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
+                self.save()
+        bar.close()
+        self.finish()
+        return records
+
+    def _log(self, record: dict, records: list) -> None:
+        records.append(record)
+        if self.metrics is not None:
+            self.metrics.log(record)
+
+    def finish(self) -> None:
+        """Loss plot, Hugging Face export and a sample on the reporting rank; then leave the group."""
+        # The reporter loads the whole model from the checkpoint alone, in a group of its own.
+        solo = dist.new_group([self.pipe.comm.global_ranks[-1]], backend="gloo") if dist.is_initialized() else None
+        ok = False
+        try:
+            if self.reporter:
+                self._report(solo)
+            ok = True
+        finally:
+            self._all_ok(ok)  # the others wait for the export, so the group outlives it
+        if self.owns_group:
+            dist.destroy_process_group()
+
+    def _report(self, group) -> None:
+        cfg = self.cfg
+        self.metrics.close()
+        if cfg.log.plot:
+            how = plot_loss(self.metrics.path, self.run_dir / PLOT_FILE)
+            tqdm.write(f"loss curve ({how}): {self.run_dir / PLOT_FILE}")
+        tqdm.write(f"checkpoint: {self.checkpoint}")
+        if not cfg.export.at_end:
+            return
+        out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
+        tqdm.write(f"Hugging Face model: {out}")
+        if cfg.export.sample_tokens:
+            text = sample(model, tok, cfg.export.prompt, cfg.export.sample_tokens, cfg.export.temperature,
+                          cfg.export.top_k, cfg.seed)
+            tqdm.write(f"sample:\n{text}")
+
+
+def accum_tokens(cfg: Config) -> int:
+    """Tokens trained on in one optimizer step."""
+    return cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.data.seq_len
+
+
+def run(cfg: Config) -> list[dict]:
+    """Train as `cfg` says (on every rank of the process group, or launched by torchrun)."""
+    return Trainer(cfg).fit()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: config errors end every rank with a one-line message (printed by rank 0)."""
+    try:
+        run(parse_args(argv))
+    except ConfigError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Tests for Hugging Face interchange: export loads in transformers, generate, training from an HF model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from _dist import run_distributed
+from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is a fixture)
+
+from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
+from pipeline_parallel.data import TokenBatches, eval_batches, prepare_data
+from pipeline_parallel.export import export, load_full_model, save_hf_model
+from pipeline_parallel.generate import load_model, main as generate_main, sample
+from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
+from pipeline_parallel.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):  # noqa: F811
+    """A 2-rank run of 4 steps with tied embeddings (so export must drop and re-tie the LM head)."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    cfg = make_cfg(run_dir, corpus, **{"train.max_steps": 4, "eval.interval": 4, "model.tie_word_embeddings": True})
+    run_distributed(_fit, 2, cfg)
+    return run_dir, cfg
+
+
+def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
+    run_dir, cfg = trained
+    out, _, _ = export(run_dir, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+
+    ours = LlamaForCausalLM(LlamaConfig.from_hf_config(hf.config))
+    load_checkpoint(latest_checkpoint(run_dir), ours, None)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
+
+    # The pipelined held-out loss logged at step 4 is the exported model's loss on the same batches.
+    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=cfg.data.tokenizer,
+                        eval_fraction=cfg.data.eval_fraction)
+    losses = []
+    for inputs, labels in list(eval_batches(data.eval, cfg.train.batch_size, drop_last=True))[: cfg.eval.max_batches]:
+        with torch.no_grad():
+            losses.append(F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item())
+    assert np.mean(losses) == pytest.approx(_losses(run_dir, "eval_loss")[4], abs=1e-5)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def answer(self):\n    return 42\n"
+    assert tokenizer.encode(text, add_special_tokens=False) == load_tokenizer(cfg.data.tokenizer).encode(text)
+    assert tokenizer.eos_token_id == hf.config.eos_token_id
+
+
+def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    out, _, _ = export(run_dir, tmp_path / "hf", dtype="fp32")
+    texts = [sample(*load_model(path), prompt="def ", max_new_tokens=12, temperature=0) for path in (run_dir, out)]
+    assert texts[0] == texts[1] and texts[0].startswith("def ") and len(texts[0]) > 4
+    generate_main([str(out), "--prompt", "import ", "--max-new-tokens", "8", "--num-samples", "2"])
+    printed = capsys.readouterr().out
+    assert printed.count("--- sample") == 2 and "import " in printed
+
+
+def _first_loss(rank, world_size, cfg):
+    return _fit(rank, world_size, cfg)[0]["loss"]
+
+
+def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
+    """--hf-model: a Qwen2 (attention biases) starts from its weights on 2 ranks and exports back."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    original = transformers.Qwen2ForCausalLM(config).eval()
+    hf_dir = save_hf_model(original, tok, tmp_path / "qwen")
+    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(hf_dir), **{"train.max_steps": 2, "export.at_end": True,
+                                                                       "export.sample_tokens": 0})
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        setattr(cfg.model, key, None)
+    cfg.data.tokenizer = ""  # the model directory's own tokenizer
+    first_loss = run_distributed(_first_loss, 2, cfg)[0]
+
+    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
+                        eval_fraction=cfg.data.eval_fraction)
+    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    with torch.no_grad():
+        want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
+    assert first_loss == pytest.approx(want, abs=1e-5)
+
+    exported, tokenizer = load_model(tmp_path / "run" / "export")
+    trained_model, _ = load_full_model(tmp_path / "run")
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    for name, value in trained_model.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], value, atol=0, rtol=0)
+    assert not torch.equal(exported.model.layers[0].self_attn.q_proj.bias, original.model.layers[0].self_attn.q_proj.bias)

@@ -1,0 +1,210 @@
+"""Tests for the training program: config errors, exact resume, reshard on load, crash-safe saves, torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_distributed
+
+from pipeline_parallel import checkpoint as ckpt
+from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
+from pipeline_parallel.export import load_full_model
+from pipeline_parallel.metrics import read_metrics
+from pipeline_parallel.tokenizer import train_bpe
+from pipeline_parallel.train import Trainer, main, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A small text file (a few stdlib modules) and a BPE tokenizer trained on it once."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "json/decoder.py", "json/encoder.py"))
+    (root / "data.txt").write_text(text)
+    train_bpe([text], vocab_size=320).save(root)
+    return root / "data.txt", root / "tokenizer.json"
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """In-process runs set torch's thread count, as the program should; give the session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_cfg(run_dir: Path, corpus: tuple[Path, Path], **overrides):
+    """A 4-layer, 32-wide model on the small corpus: 8 sequences of 32 tokens per step, no frills."""
+    data, tokenizer = corpus
+    base = {
+        "run_dir": str(run_dir), "model.hidden_size": 32, "model.intermediate_size": 64,
+        "model.num_hidden_layers": 4, "model.num_attention_heads": 4, "model.num_key_value_heads": 2,
+        "model.max_position_embeddings": 64, "data.path": [str(data)], "data.tokenizer": str(tokenizer),
+        "data.seq_len": 32, "data.eval_fraction": 0.05, "pipeline.num_microbatches": 4, "train.batch_size": 8,
+        "train.max_steps": 6, "optim.lr": 1e-2, "optim.warmup_steps": 2, "optim.lr_decay_steps": 6,
+        "eval.interval": 3, "eval.max_batches": 2, "checkpoint.interval": 0, "checkpoint.keep_last": 0,
+        "log.progress": False, "log.tensorboard": False, "log.plot": False, "export.at_end": False,
+        "num_threads": 1,  # forked ranks must not start an OpenMP pool the parent already used
+    }
+    return with_overrides(load_config(), **{**base, **overrides})
+
+
+def _fit(rank, world_size, cfg):
+    return run(cfg)
+
+
+def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(run_dir / "metrics.jsonl") if key in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):
+    """Two 2-rank runs: 6 uninterrupted steps, and 3 steps then resumed to 6 (checkpoints kept)."""
+    root = tmp_path_factory.mktemp("runs")
+    whole, split = root / "whole", root / "split"
+    run_distributed(_fit, 2, make_cfg(whole, corpus))
+    run_distributed(_fit, 2, make_cfg(split, corpus, **{"train.max_steps": 3}))
+    resumed = run_distributed(_fit, 2, make_cfg(split, corpus))[-1]  # the last rank's records
+    return whole, split, resumed
+
+
+def test_config_errors(tmp_path, corpus):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[optim]\nlr = 1e-3\nlearning_rate = 1e-3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
+        load_config(toml)
+    with pytest.raises(ConfigError, match="did you mean optim.lr"):
+        parse_args(["--optim.lrr", "1e-3"])
+    with pytest.raises(ConfigError, match="must be int"):
+        parse_args(["--train.batch_size", "eight"])
+    cfg = make_cfg(tmp_path, corpus)
+    validate(cfg, 4)
+    with pytest.raises(ConfigError, match="5 pipeline stages .* 4 decoder layers"):
+        validate(cfg, 5)
+    with pytest.raises(ConfigError, match="batch_size 6 is not divisible by pipeline.num_microbatches 4"):
+        validate(with_overrides(cfg, **{"train.batch_size": 6}), 2)
+    with pytest.raises(ConfigError, match="layer_counts"):
+        validate(with_overrides(cfg, **{"pipeline.layer_counts": [3, 2]}), 2)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        validate(with_overrides(cfg, **{"train.max_steps": 0}), 1)
+
+
+def test_config_file_overrides_and_round_trip(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('run_dir = "r"\n[optim]\nlr = 1\n[data]\npath = "one.txt"\n[pipeline]\nlayer_counts = [1, 3]\n')
+    cfg = parse_args(["--config", str(toml), "--optim.min-lr=0.5", "--log.plot", "false", "--resume"])
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.data.path, cfg.pipeline.layer_counts) == (1.0, 0.5, ["one.txt"], [1, 3])
+    assert (cfg.log.plot, cfg.resume, cfg.run_dir) == (False, "latest", "r")
+    (tmp_path / "again.toml").write_text(to_toml(cfg))
+    assert load_config(tmp_path / "again.toml") == cfg
+
+
+def test_configs_and_docs_cover_every_key():
+    for toml in sorted((ROOT / "configs").glob("*.toml")):
+        validate(load_config(toml), 2)
+    docs = (ROOT / "docs" / "training.md").read_text()
+    assert [key for key in KEYS if f"`{key}`" not in docs] == []
+
+
+def test_main_reports_config_errors(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--train.batch_size", "6"])
+    assert exit_info.value.code == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_resume_gives_the_same_losses(runs):
+    whole, split, resumed = runs
+    assert [r["step"] for r in resumed if "loss" in r] == [4, 5, 6]
+    assert _losses(split) == _losses(whole)  # exact: fp32 on CPU, same data, optimizer and LR position
+    assert _losses(split, "eval_loss") == _losses(whole, "eval_loss")
+    assert sorted(_losses(whole)) == [1, 2, 3, 4, 5, 6] and _losses(whole)[6] < _losses(whole)[1]
+
+
+def test_grad_accumulation_equals_one_larger_batch(corpus, tmp_path):
+    """2 pipeline steps of 4 sequences per optimizer step train like 1 step of the same 8 sequences."""
+    steps = {"train.max_steps": 3, "eval.interval": 0}
+    big = run(make_cfg(tmp_path / "big", corpus, **steps))
+    accum = run(make_cfg(tmp_path / "accum", corpus, **steps, **{"train.batch_size": 4, "train.grad_accum_steps": 2}))
+    for a, b in zip(big, accum, strict=True):
+        assert a["step"] == b["step"] and a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+def test_bf16_autocast(corpus, tmp_path):
+    fp32 = run(make_cfg(tmp_path / "fp32", corpus, **{"train.max_steps": 2, "eval.interval": 0}))
+    bf16 = run(make_cfg(tmp_path / "bf16", corpus, **{"train.max_steps": 2, "eval.interval": 0, "train.dtype": "bf16"}))
+    for a, b in zip(fp32, bf16):
+        assert a["loss"] != b["loss"] and a["loss"] == pytest.approx(b["loss"], abs=0.05)
+
+
+def _resume_on(rank, world_size, cfg, expected):
+    trainer = Trainer(cfg)
+    for name, value in trainer.pipe.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    return trainer.fit()
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_reshard_on_load(runs, corpus, tmp_path, world_size):
+    whole, split, _ = runs
+    step3 = split / "checkpoints" / "step_000003"
+    expected, _ = load_full_model(step3)
+    cfg = make_cfg(tmp_path, corpus, resume=str(step3))
+    records = run_distributed(_resume_on, world_size, cfg, expected.state_dict(), timeout=120)[-1]
+    want = _losses(whole)
+    for record in records:
+        if "loss" in record:
+            assert record["loss"] == pytest.approx(want[record["step"]], abs=1e-5)
+    assert [r["step"] for r in records if "loss" in r] == [4, 5, 6]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(runs, corpus, tmp_path, monkeypatch):
+    whole = runs[0]
+    cfg = make_cfg(tmp_path, corpus, **{"checkpoint.interval": 2, "train.max_steps": 4})
+    real_commit = ckpt._commit
+
+    def crash_at_step_4(tmp, final):
+        if final.name == "step_000004":
+            raise KeyboardInterrupt("killed while saving")
+        real_commit(tmp, final)
+
+    monkeypatch.setattr(ckpt, "_commit", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    monkeypatch.setattr(ckpt, "_commit", real_commit)
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000002"
+    assert (tmp_path / "checkpoints" / "step_000004.tmp").is_dir()  # the half-written one
+    records = run(cfg)  # resumes from step 2
+    assert [r["step"] for r in records if "loss" in r] == [3, 4]
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000004"
+    for step, loss in _losses(tmp_path).items():
+        assert loss == pytest.approx(_losses(whole)[step], abs=1e-5)
+
+
+def test_torchrun_end_to_end(corpus, tmp_path):
+    """The real launcher on 2 ranks: metrics, checkpoint, loss plot, export and a printed sample."""
+    cfg = make_cfg(tmp_path / "run", corpus, **{
+        "train.max_steps": 4, "eval.interval": 2, "log.plot": True, "log.progress": True,
+        "export.at_end": True, "export.sample_tokens": 16})
+    (tmp_path / "run.toml").write_text(to_toml(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "pipeline_parallel.train",
+         "--config", str(tmp_path / "run.toml")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert sorted(_losses(run_dir)) == [1, 2, 3, 4] and sorted(_losses(run_dir, "eval_loss")) == [2, 4]
+    assert ckpt.latest_checkpoint(run_dir).name == "step_000004"
+    assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert (run_dir / "export" / "model.safetensors").is_file() and (run_dir / "export" / "config.json").is_file()
+    assert "resolved config:" in result.stdout and "sample:" in result.stdout
