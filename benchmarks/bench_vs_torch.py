@@ -114,11 +114,11 @@ def _single_step(model, x, y):
 
 def _torch_step(schedule, x, y, first, last):
     if first and last:
-        schedule.step(x, target=y)
+        schedule.step(x, target=y, return_outputs=False)
     elif first:
         schedule.step(x)
     elif last:
-        schedule.step(target=y)
+        schedule.step(target=y, return_outputs=False)
     else:
         schedule.step()
 
