@@ -60,27 +60,7 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _add_reset_inv_freq(model.model.rotary_emb)
-    return model
-
-
-def _add_reset_inv_freq(rotary: torch.nn.Module) -> None:
-    """Let the engine's materialize() recompute a Hugging Face rotary table after `to_empty`.
-
-    Workaround: transformers 5 rotary classes take no `device` argument, which the engine's
-    fallback passes; it calls `reset_inv_freq(device)` when a module has one, as ours does.
-    """
-    if hasattr(rotary, "reset_inv_freq"):
-        return
-
-    def reset_inv_freq(device=None):
-        with torch.device(device or "cpu"):
-            fresh = type(rotary)(config=rotary.config)
-        for name, buffer in fresh.named_buffers(recurse=False):
-            setattr(rotary, name, buffer)
-
-    rotary.reset_inv_freq = reset_inv_freq
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 class Trainer:

@@ -27,6 +27,7 @@ def trained(tmp_path_factory, corpus):  # noqa: F811
     return run_dir, cfg
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     run_dir, cfg = trained
     out, _, _ = export(run_dir, tmp_path / "hf")
