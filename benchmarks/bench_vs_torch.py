@@ -1,11 +1,11 @@
 """Step time of our GPipe and 1F1B against torch.distributed.pipelining on the same stages and data.
 
-    python benchmarks/bench_vs_torch.py [--ranks 2] [--steps 10] [--microbatches 8]
+    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 3] [--steps 4]
 
 CPU, gloo, one thread per rank. Every rank builds the same Llama (8 layers, hidden 256) and
 keeps the same stage for both engines (our cost-balanced split); a single-process run with one
-thread gives T_single. The engines alternate step by step, so drift on a busy machine hits
-all of them alike. Prints each engine's median step time, the ratio to torch's equivalent,
+thread gives T_single. Each engine runs blocks of consecutive steps, as in training, and the
+blocks rotate over several rounds, so drift on a busy machine hits all of them alike. Prints each engine's median step time, the ratio to torch's equivalent,
 and the ratio to the bubble-bound ideal T_single / p * (m + p - 1) / m.
 """
 
@@ -70,12 +70,10 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     counts = balanced_layer_counts(8, world, estimate_costs(base.config, args.seq_len))
     first, last = rank == 0, rank == world - 1
 
-    single = None
-    if rank == 0:  # T_single: the whole model in this one thread, while the other ranks wait
-        single = _time_steps(lambda: _single_step(base, x, y), args.steps)
     dist.barrier()
-
     engines = {}
+    # T_single: the whole model in one thread on rank 0, while the other ranks wait.
+    engines["single"] = (lambda: _single_step(base, x, y)) if rank == 0 else (lambda: None)
     for name in ("gpipe", "1f1b"):
         pipe = pp.Pipeline(copy.deepcopy(base), schedule=name, num_microbatches=args.microbatches,
                            layer_counts=counts, device="cpu")
@@ -90,19 +88,20 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         engines[f"torch {name}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last), m.zero_grad()))
 
     times = {name: [] for name in engines}
-    for _ in range(args.warmup):
-        for fn in engines.values():
-            fn()
-    for _ in range(args.steps):
+    for _ in range(args.rounds):  # blocks of consecutive steps, as in training; rotating engines
         for name, fn in engines.items():
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-            times[name].append(elapsed.item())
+            for _ in range(args.warmup):
+                fn()
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                times[name].append(elapsed.item())
     if rank == 0:
-        results.put((single, {name: statistics.median(t) for name, t in times.items()}, counts))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        results.put((medians.pop("single"), medians, counts))
     dist.destroy_process_group()
 
 
@@ -123,16 +122,6 @@ def _torch_step(schedule, x, y, first, last):
         schedule.step()
 
 
-def _time_steps(fn, steps: int) -> float:
-    fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -140,8 +129,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all engines")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per engine per round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
     args = parser.parse_args()
 
     with socket.socket() as s:
