@@ -110,7 +110,7 @@ def test_config_file_overrides_and_round_trip(tmp_path):
 def test_configs_and_docs_cover_every_key():
     for toml in sorted((ROOT / "configs").glob("*.toml")):
         validate(load_config(toml), 2)
-    docs = (ROOT / "docs" / "training.md").read_text()
+    docs = (ROOT / "README.md").read_text()
     assert [key for key in KEYS if f"`{key}`" not in docs] == []
 
 
