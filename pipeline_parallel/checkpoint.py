@@ -281,6 +281,18 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return complete[-1] if complete else None
 
 
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a complete checkpoint directory (not a run directory, not a half-written save)."""
+    return _is_complete(Path(path))
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """The `extra` a checkpoint was saved with, without loading any tensor."""
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint; pass a directory returned by latest_checkpoint()")
+    return json.loads((Path(path) / META).read_text())["extra"]
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, group: Any = None) -> dict:
     """Load the parameters this stage owns, and their optimizer state; return `extra`.

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import META, latest_checkpoint, load_checkpoint
+from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 EXPORT_DIR = "export"  # in the run directory
@@ -68,17 +68,12 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory: `path` itself, or the latest checkpoint of the run directory `path`."""
     path = Path(path)
-    if (path / META).is_file():
+    if is_checkpoint(path):
         return path
     found = latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
     return found
-
-
-def checkpoint_extra(checkpoint: str | Path) -> dict:
-    """What the training program stored with a checkpoint (step, data position, model config...)."""
-    return json.loads((Path(checkpoint) / META).read_text())["extra"]
 
 
 def run_tokenizer(run_dir: str | Path) -> Tokenizer:
@@ -96,7 +91,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     import transformers
 
     checkpoint = resolve_checkpoint(path)
-    config = dict(checkpoint_extra(checkpoint)["model_config"])
+    config = dict(read_extra(checkpoint)["model_config"])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

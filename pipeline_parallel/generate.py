@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import META
+from .checkpoint import is_checkpoint
 from .export import load_full_model
 from .models import generate
 from .tokenizer import Tokenizer, load_tokenizer
@@ -20,7 +20,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     """An exported model directory (config.json + safetensors), or a run / checkpoint directory."""
     path = Path(path)
-    if (path / "config.json").is_file() and not (path / META).is_file():
+    if (path / "config.json").is_file() and not is_checkpoint(path):
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .config import Config, ConfigError, llama_config, parse_args, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import (EXPORT_DIR, TOKENIZER_DIR, checkpoint_extra, export, hf_config_dict, load_hf_weights)
+from .export import EXPORT_DIR, TOKENIZER_DIR, export, hf_config_dict, load_hf_weights
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
@@ -141,7 +141,7 @@ class Trainer:
             if cfg.hf_model:
                 load_hf_weights(self.pipe.model, cfg.hf_model)
             return
-        extra = checkpoint_extra(path)
+        extra = read_extra(path)
         saved = {k: extra["model_config"].get(k) for k in ARCH_KEYS}
         current = {k: self.model_config.get(k) for k in ARCH_KEYS}
         if saved != current:
