@@ -64,6 +64,8 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             handles = [_Batch(works, [tensor for _, tensor, _ in ops])] * len(ops)
         recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
         received.update(zip(recv_keys, recvs))
+        # Forget transfers that have finished, so sent activations are not held to the end of the step.
+        in_flight[:] = [batch for batch in in_flight if not batch.finished()]
         in_flight.extend(handles)
 
     def take_received(kind: Kind, stage: int, mb: int) -> torch.Tensor:
@@ -124,6 +126,13 @@ class _Batch:
         for work in self.works:
             work.wait()
         self.works, self.tensors = [], []
+
+    def finished(self) -> bool:
+        """True once every transfer has completed (then released); never blocks."""
+        if all(work.is_completed() for work in self.works):
+            self.wait()  # returns at once; surfaces a failed transfer's error
+            return True
+        return False
 
 
 def _check_activation(out: torch.Tensor, step: StepData, action: Action) -> None:
