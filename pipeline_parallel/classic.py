@@ -7,7 +7,7 @@ from torch import nn
 
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm
-from .models.decoder import DecoderParts, check_layout
+from .models.decoder import DecoderParts, check_layout, tied_weight_end
 from .partition import balanced_layer_counts, layer_ranges
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -64,9 +64,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
-    tied = num_stages > 1 and model.lm_head.weight is model.model.embed_tokens.weight
     program = build_schedule(schedule, num_stages, num_microbatches)[stage_idx]
-    loss = run_step(program, stage, comm, step, model.lm_head.weight if tied and (first or last) else None)
+    loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
     return loss.item() if loss is not None else None
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm
-from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize
+from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -62,7 +62,7 @@ class Pipeline:
         agree_on_settings(self.comm, self._settings, local_error=error)
         self.config = model.config
 
-        tied = self.pp_size > 1 and model.lm_head.weight is model.model.embed_tokens.weight
+        self._tied_weight = tied_weight_end(model, self.pp_size, self.is_first, self.is_last)
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -71,8 +71,7 @@ class Pipeline:
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
-        self._tied_weight = None
-        if tied and (self.is_first or self.is_last):
+        if self._tied_weight is not None:  # re-fetch: materialising may have replaced the Parameter
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
             if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
                 self.comm.copy_from_first_(self._tied_weight.data, self.is_first)

@@ -67,6 +67,17 @@ class DecoderParts:
         return hidden
 
 
+def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) -> nn.Parameter | None:
+    """The embedding matrix this stage holds as one end of a tied embedding/LM head, if any.
+
+    When input and output embeddings are one matrix and the first and last stages differ, each
+    end computes part of its gradient; the runtime adds the two parts together.
+    """
+    if num_stages == 1 or not (first or last) or model.lm_head.weight is not model.model.embed_tokens.weight:
+        return None
+    return model.model.embed_tokens.weight
+
+
 def check_layout(model: nn.Module) -> None:
     """Raise a clear error unless `model` has the decoder layout the pipeline splits."""
     inner = getattr(model, "model", None)
