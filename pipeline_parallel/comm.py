@@ -19,11 +19,16 @@ class PipeComm:
         self.enabled = dist.is_available() and dist.is_initialized()
         if not self.enabled:
             self.group, self.pp_rank, self.pp_size, self.global_ranks = None, 0, 1, [0]
+            self.prefetch_receives = False
             return
         self.group = group or dist.group.WORLD
         self.pp_rank = dist.get_rank(self.group)
         self.pp_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
+        # Posting a receive early overlaps the transfer with compute on gloo, whose transfers are
+        # independent. NCCL runs a pair's transfers in order on one stream and a batch completes
+        # as a whole, so an early receive can block the sends queued behind it: post just in time.
+        self.prefetch_receives = dist.get_backend(self.group) == "gloo"
 
     def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Start sends and receives [("send" | "recv", tensor, peer pp_rank)] together; returns Work handles.

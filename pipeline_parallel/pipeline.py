@@ -86,7 +86,10 @@ class Pipeline:
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
-        build = lambda **kw: build_schedule(self.schedule, self.pp_size, self.num_microbatches, **kw)[self.pp_rank]
+        def build(**kw):
+            return build_schedule(self.schedule, self.pp_size, self.num_microbatches,
+                                  prefetch=self.comm.prefetch_receives, **kw)[self.pp_rank]
+
         return layer_counts, build(), build(forward_only=True)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:

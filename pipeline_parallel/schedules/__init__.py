@@ -24,7 +24,8 @@ def build_schedule(
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     lowered = lower(compute, num_stages, prefetch=prefetch)
-    validate(lowered, num_stages, num_microbatches, forward_only=forward_only)
+    # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
+    validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)
     return lowered
 
 

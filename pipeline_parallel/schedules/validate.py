@@ -12,19 +12,25 @@ class ScheduleError(ValueError):
     """A schedule that would compute wrongly, mismatch messages or hang."""
 
 
-def validate(lowered: Schedule, num_stages: int, num_microbatches: int, forward_only: bool = False) -> None:
+def validate(
+    lowered: Schedule, num_stages: int, num_microbatches: int, forward_only: bool = False, in_order: bool = False
+) -> None:
     """Raise ScheduleError unless `lowered` runs to completion and computes every gradient once.
 
     The check replays all ranks together under the runtime's semantics: sends and receives are
     posted without blocking, and a compute action waits until its input exists (a matched,
     posted send or a local result). Between each pair of ranks the k-th send must be the k-th
     receive: peers match point-to-point messages by order, and a mix-up would go unnoticed
-    because all activations of a step have the same shape.
+    because all activations of a step have the same shape. With `in_order`, the replay also
+    follows NCCL: each rank's batches of transfers run one after another, and a batch ends only
+    when all of its transfers have met their peers.
     """
     num_ranks = len(lowered)
     _check_compute_coverage(lowered, num_stages, num_microbatches, (Kind.F,) if forward_only else (Kind.F, Kind.B))
     _check_channels(lowered, num_ranks)
     _check_progress(lowered, num_stages, num_ranks)
+    if in_order:
+        _check_in_order_batches(lowered, num_stages, num_ranks)
 
 
 def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int, kinds: tuple) -> None:
@@ -127,3 +133,87 @@ def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
                 if pc < len(actions)
             )
             raise ScheduleError(f"schedule deadlocks: {stuck}")
+
+
+def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
+    """Deadlock check under in-order batch semantics (NCCL): a transfer waits for all before it.
+
+    A rank's consecutive comm actions form one batch, as the runtime posts them. Batches of a
+    rank complete strictly in order (conservatively, one stream per rank); a transfer completes
+    when the peer's current batch holds its counterpart; a compute action waits for the whole
+    batch holding the receive it consumes.
+    """
+    programs = []  # per rank: list of ("compute", action) or ("batch", [messages with direction])
+    for actions in lowered:
+        items: list = []
+        for a in actions:
+            if a.kind.is_comm:
+                if not items or items[-1][0] != "batch":
+                    items.append(("batch", []))
+                items[-1][1].append(a)
+            else:
+                items.append(("compute", a))
+        programs.append(items)
+    pcs = [0] * num_ranks
+    posted: list[list[list]] = [[] for _ in range(num_ranks)]  # per rank: its posted batches
+    heads = [0] * num_ranks  # index of each rank's first unfinished batch
+    done_compute: set = set()
+    finished_recvs: set = set()  # (rank, message) of completed receives
+
+    matched: set = set()  # (rank, is_send, message) of transfers that met their peer
+
+    def ops(rank: int, batch) -> list:
+        return [(rank, a.kind in (Kind.SEND_F, Kind.SEND_B), message(a), _peer(a, num_ranks)) for a in batch]
+
+    def advance_streams() -> bool:
+        moved = False
+        for rank in range(num_ranks):  # transfers in two current batches meet
+            if heads[rank] < len(posted[rank]):
+                for _, is_send, msg, peer in ops(rank, posted[rank][heads[rank]]):
+                    peer_head = posted[peer][heads[peer]] if heads[peer] < len(posted[peer]) else []
+                    if any((not s, m) == (is_send, msg) for _, s, m, _ in ops(peer, peer_head)):
+                        matched.update({(rank, is_send, msg), (peer, not is_send, msg)})
+        for rank in range(num_ranks):
+            while heads[rank] < len(posted[rank]):
+                batch = ops(rank, posted[rank][heads[rank]])
+                if not all(op[:3] in matched for op in batch):
+                    break
+                finished_recvs.update((rank, msg) for _, is_send, msg, _ in batch if not is_send)
+                heads[rank] += 1
+                moved = True
+        return moved
+
+    def ready(rank: int, a) -> bool:
+        if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done_compute:
+            return False
+        source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
+        if not 0 <= source < num_stages:
+            return True
+        if stage_to_rank(source, num_ranks) == rank:
+            return (a.kind, source, a.mb) in done_compute
+        return (rank, ("F" if a.kind == Kind.F else "B", source, a.mb)) in finished_recvs
+
+    while True:
+        progressed = advance_streams()
+        for rank, items in enumerate(programs):
+            while pcs[rank] < len(items):
+                kind, item = items[pcs[rank]]
+                if kind == "batch":
+                    posted[rank].append(item)
+                elif ready(rank, item):
+                    done_compute.add((item.kind, item.stage, item.mb))
+                else:
+                    break
+                pcs[rank] += 1
+                progressed = True
+        if all(pc == len(items) for pc, items in zip(pcs, programs)) and all(
+            head == len(batches) for head, batches in zip(heads, posted)
+        ):
+            return
+        if not progressed:
+            stuck = ", ".join(
+                f"rank {r} at {items[pc][1]!r}" if pc < len(items) else f"rank {r} waiting on {posted[r][heads[r]]}"
+                for r, (pc, items) in enumerate(zip(pcs, programs))
+                if pc < len(items) or heads[r] < len(posted[r])
+            )
+            raise ScheduleError(f"schedule deadlocks when transfers run in order (NCCL): {stuck}")
