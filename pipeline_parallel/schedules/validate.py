@@ -95,6 +95,22 @@ def _describe(msg) -> str:
     return f"the {what} of stage {stage}, microbatch {mb}"
 
 
+def _compute_ready(rank: int, a, done: set, arrived, num_stages: int, num_ranks: int) -> bool:
+    """Whether compute action `a` on `rank` has its input: B after its F, and the data it consumes.
+
+    That data is the neighbouring stage's result: local if that stage is on the same rank,
+    otherwise a message for which `arrived(message)` says whether it has been received.
+    """
+    if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+        return False
+    source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
+    if not 0 <= source < num_stages:
+        return True
+    if stage_to_rank(source, num_ranks) == rank:
+        return (a.kind, source, a.mb) in done
+    return arrived(("F" if a.kind == Kind.F else "B", source, a.mb))
+
+
 def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
     posted_sends: set = set()
     posted_recvs: set = set()  # (rank, message)
@@ -102,17 +118,10 @@ def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
     pcs = [0] * num_ranks
 
     def ready(rank: int, a) -> bool:
-        if a.kind.is_comm:
-            return True
-        if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
-            return False
-        source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
-        if not 0 <= source < num_stages:
-            return True
-        if stage_to_rank(source, num_ranks) == rank:
-            return (a.kind, source, a.mb) in done
-        msg = ("F" if a.kind == Kind.F else "B", source, a.mb)
-        return (rank, msg) in posted_recvs and msg in posted_sends
+        def arrived(msg) -> bool:  # both ends posted: the transfer can happen
+            return (rank, msg) in posted_recvs and msg in posted_sends
+
+        return a.kind.is_comm or _compute_ready(rank, a, done, arrived, num_stages, num_ranks)
 
     while any(pc < len(actions) for pc, actions in zip(pcs, lowered)):
         progressed = False
@@ -184,14 +193,10 @@ def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) 
         return moved
 
     def ready(rank: int, a) -> bool:
-        if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done_compute:
-            return False
-        source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
-        if not 0 <= source < num_stages:
-            return True
-        if stage_to_rank(source, num_ranks) == rank:
-            return (a.kind, source, a.mb) in done_compute
-        return (rank, ("F" if a.kind == Kind.F else "B", source, a.mb)) in finished_recvs
+        def arrived(msg) -> bool:  # the whole batch holding the receive has finished
+            return (rank, msg) in finished_recvs
+
+        return _compute_ready(rank, a, done_compute, arrived, num_stages, num_ranks)
 
     while True:
         progressed = advance_streams()
