@@ -62,7 +62,7 @@ class Pipeline:
         agree_on_settings(self.comm, self._settings, local_error=error)
         self.config = model.config
 
-        self._tied_weight = tied_weight_end(model, self.pp_size, self.is_first, self.is_last)
+        tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -71,7 +71,8 @@ class Pipeline:
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
-        if self._tied_weight is not None:  # re-fetch: materialising may have replaced the Parameter
+        self._tied_weight = None
+        if tied:  # fetched after materialising, which may have replaced the Parameter
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
             if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
                 self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
@@ -86,6 +87,7 @@ class Pipeline:
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
+
         def build(**kw):
             return build_schedule(self.schedule, self.pp_size, self.num_microbatches,
                                   prefetch=self.comm.prefetch_receives, **kw)[self.pp_rank]
