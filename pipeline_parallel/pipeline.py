@@ -28,6 +28,8 @@ class Pipeline:
     `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
     of -100 ignored), so gradients equal those of one process on the full batch. The first
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
+    After each step, `last_timeline` holds this rank's (action, start, end) compute times in
+    `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Pipeline:
             if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
                 self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
         self.activation_dtype = next(model.parameters()).dtype
+        self.last_timeline: list = []
 
     def _plan(self, model: nn.Module, layer_counts):
         """Layers per stage and this rank's train and eval programs; raises on bad arguments."""
@@ -123,6 +126,7 @@ class Pipeline:
             step.loss_scales = [1.0 / info.num_target_tokens] * m
         program = self.program if training else self._eval_program
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
+        self.last_timeline = step.timeline
         result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
         return self.comm.broadcast(result, self.pp_size - 1).item()
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind, stage_to_rank
+from .schedules.actions import input_of
 from .stage import PipelineStage
 
 
@@ -27,6 +29,8 @@ class StepData:
     loss_scales: list[float] | None = None
     training: bool = True  # False: forward only, no graph kept (evaluation)
     losses: list[torch.Tensor] = field(default_factory=list)
+    # (action, start, end) of each compute action once its input was there, in time.perf_counter() seconds
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
 def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData) -> None:
@@ -68,8 +72,14 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         in_flight[:] = [batch for batch in in_flight if not batch.finished()]
         in_flight.extend(handles)
 
-    def take_received(kind: Kind, stage: int, mb: int) -> torch.Tensor:
-        buffer, batch = received.pop((kind, stage, mb))
+    def take_input(action: Action, stage: PipelineStage):
+        """The microbatch, the neighbouring stage's result on this rank, or the received tensor."""
+        source = input_of(action, stage.num_stages)
+        if source is None:
+            return step.inputs[action.mb] if action.kind == Kind.F else None  # the last stage starts from its loss
+        if source in produced:
+            return produced.pop(source)
+        buffer, batch = received.pop((Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B, action.stage, action.mb))
         batch.wait()
         return buffer
 
@@ -79,34 +89,25 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             continue
         flush()
         stage = stages[action.stage]
+        data = take_input(action, stage)
+        start = time.perf_counter()
         if action.kind == Kind.F:
-            if stage.is_first:
-                x = step.inputs[action.mb]
-            elif (Kind.F, action.stage - 1, action.mb) in produced:  # previous stage on this rank
-                x = produced.pop((Kind.F, action.stage - 1, action.mb))
-            else:
-                x = take_received(Kind.RECV_F, action.stage, action.mb)
             if stage.is_last:
                 loss = stage.forward(
-                    action.mb, x, step.labels[action.mb], step.loss_scales[action.mb], training=step.training
+                    action.mb, data, step.labels[action.mb], step.loss_scales[action.mb], training=step.training
                 )
                 step.losses.append(loss)
             else:
-                out = stage.forward(action.mb, x, training=step.training)
+                out = stage.forward(action.mb, data, training=step.training)
                 _check_activation(out, step, action)
-                produced[(Kind.F, action.stage, action.mb)] = out
+                produced[action] = out
         elif action.kind == Kind.B:
-            if stage.is_last:
-                grad = None
-            elif (Kind.B, action.stage + 1, action.mb) in produced:  # next stage on this rank
-                grad = produced.pop((Kind.B, action.stage + 1, action.mb))
-            else:
-                grad = take_received(Kind.RECV_B, action.stage, action.mb)
-            grad_input = stage.backward(action.mb, grad)
+            grad_input = stage.backward(action.mb, data)
             if not stage.is_first:
-                produced[(Kind.B, action.stage, action.mb)] = grad_input
+                produced[action] = grad_input
         else:
             raise NotImplementedError(f"the runtime cannot execute {action!r}")
+        step.timeline.append((action, start, time.perf_counter()))
     flush()
     for batch in in_flight:
         batch.wait()

@@ -18,6 +18,7 @@ from _dist import run_distributed
 from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
 
 import pipeline_parallel as pp
+from pipeline_parallel.schedules.actions import input_of
 
 MAX_NORM = 0.05
 TIMEOUT = 120
@@ -138,6 +139,8 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
     out["grads_none_after_zero"] = all(p.grad is None for p in pipe.parameters())
     out["loss2"] = pipe.step(*give(x2, y2))
     out["grads2"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    out["timeline"] = pipe.last_timeline
+    out["program"] = [a for a in pipe.program if not a.kind.is_comm]
     return out
 
 
@@ -241,6 +244,22 @@ def test_pipeline_matches_single_process(results, world_size, index, case):
         assert got["grads_none_after_zero"], what
     full = set(ref["full_names"]) - ({"lm_head.weight"} if case.tie and world_size == 1 else set())
     assert seen == full, "the stages together hold the whole model"
+    _check_timelines([got["timeline"] for got in per_rank], [got["program"] for got in per_rank])
+
+
+def _check_timelines(timelines, programs):
+    """Each rank's recorded compute times follow its program, and no action starts before its input
+    was computed on the neighbouring rank (perf_counter is one monotonic clock for all processes)."""
+    ends = {}
+    for timeline, program in zip(timelines, programs):
+        assert [a for a, _, _ in timeline] == program
+        assert all(start <= end for _, start, end in timeline)
+        assert all(end <= nxt for (_, _, end), (_, nxt, _) in zip(timeline, timeline[1:]))
+        ends.update({a: end for a, _, end in timeline})
+    for timeline in timelines:
+        for a, start, _ in timeline:
+            source = input_of(a, len(programs))
+            assert source is None or ends[source] <= start, (a, source)
 
 
 # HF model built on the meta device ------------------------------------------------------------------------------

@@ -220,3 +220,42 @@ def test_no_process_group_needed():
     build_schedule("1f1b", 4, 8)
     validate(build_schedule("gpipe", 3, 5), 3, 5)
     assert not dist.is_initialized()
+
+
+# --- simulate: step time of a schedule from compute times, checked against closed forms ---
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
+    from pipeline_parallel.schedules import makespan, simulate
+
+    for p in STAGES:
+        for m in MICROBATCHES:
+            times = simulate(build_schedule(name, p, m), p, lambda a: 1.0 if a.kind == Kind.F else 2.0)
+            assert makespan(times) == pytest.approx((m + p - 1) * 3.0), (p, m)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
+    """Two stages, the last one slower: it works without pause once its first input arrives."""
+    from pipeline_parallel.schedules import makespan, simulate
+
+    f, b = {0: 1.0, 1: 1.5}, {0: 2.0, 1: 3.0}
+    for m in MICROBATCHES:
+        for transfer in (0.0, 0.25):
+            times = simulate(build_schedule(name, 2, m), 2, lambda a: f[a.stage] if a.kind == Kind.F else b[a.stage],
+                             transfer=transfer)
+            expected = f[0] + transfer + m * (f[1] + b[1]) + transfer + b[0]
+            if name == "gpipe":  # the last stage's forwards may also wait on the first stage's
+                expected = max(expected, m * f[0] + transfer + f[1] + m * b[1] + transfer + b[0])
+            assert makespan(times) == pytest.approx(expected), (m, transfer)
+            for rank in range(2):  # a rank runs one action at a time, in its list order
+                spans = [times[a] for a in _compute(build_schedule(name, 2, m)[rank])]
+                assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+def test_simulate_reports_a_deadlock():
+    from pipeline_parallel.schedules import simulate
+
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate([[B(0, 0), F(0, 0)], [F(1, 0), B(1, 0)]], 2, lambda a: 1.0)

@@ -6,6 +6,7 @@ from .actions import Action, B, F, Kind, Schedule, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
+from .simulate import makespan, simulate
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -31,5 +32,5 @@ def build_schedule(
 
 __all__ = [
     "Action", "B", "F", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "gpipe", "lower",
-    "one_f_one_b", "stage_to_rank", "stages_of_rank", "validate",
+    "makespan", "one_f_one_b", "simulate", "stage_to_rank", "stages_of_rank", "validate",
 ]

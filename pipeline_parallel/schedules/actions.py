@@ -43,6 +43,13 @@ def B(stage: int, mb: int) -> Action:
     return Action(Kind.B, stage, mb)
 
 
+def input_of(action: Action, num_stages: int) -> Action | None:
+    """The compute action whose result `action` consumes: the previous stage's forward for F, the
+    next stage's backward for B; None where the input comes from the data (first F, last B)."""
+    source = action.stage - 1 if action.kind == Kind.F else action.stage + 1
+    return Action(action.kind, source, action.mb) if 0 <= source < num_stages else None
+
+
 def stage_to_rank(stage: int, num_ranks: int) -> int:
     """Stages are dealt to ranks round-robin: one stage per rank, or several (interleaved) in a loop."""
     return stage % num_ranks

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .actions import Action, Kind, Schedule, stage_to_rank
+from .actions import Action, Kind, Schedule, input_of, stage_to_rank
 
 
 def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
@@ -49,8 +49,8 @@ def _send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
 
 
 def _recv_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
-    source = action.stage - 1 if action.kind == Kind.F else action.stage + 1
-    if not 0 <= source < num_stages or not _remote(action.stage, source, num_ranks):
+    source = input_of(action, num_stages)
+    if source is None or not _remote(action.stage, source.stage, num_ranks):
         return []
     kind = Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B
     return [Action(kind, action.stage, action.mb)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Kind, Schedule, stage_to_rank, stages_of_rank
+from .actions import Kind, Schedule, input_of, stage_to_rank, stages_of_rank
 from .lowering import message
 
 
@@ -103,12 +103,12 @@ def _compute_ready(rank: int, a, done: set, arrived, num_stages: int, num_ranks:
     """
     if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
         return False
-    source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
-    if not 0 <= source < num_stages:
+    source = input_of(a, num_stages)
+    if source is None:
         return True
-    if stage_to_rank(source, num_ranks) == rank:
-        return (a.kind, source, a.mb) in done
-    return arrived(("F" if a.kind == Kind.F else "B", source, a.mb))
+    if stage_to_rank(source.stage, num_ranks) == rank:
+        return source in done
+    return arrived((a.kind.value, source.stage, a.mb))
 
 
 def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
