@@ -29,6 +29,7 @@ class PipelineStage:
         self.is_last = stage_idx == num_stages - 1
         self.autocast_dtype = autocast_dtype
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_weights: dict[int, _WeightPass] = {}  # backward_input done, backward_weight not yet
 
     def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0, training: bool = True):
         """Forward microbatch `mb`; returns the output to hand on (the detached loss on the last stage).
@@ -51,14 +52,30 @@ class PipelineStage:
         torch.autograd.backward(out, grad_output)
         return None if self.is_first else x.grad
 
+    def backward_input(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor:
+        """The input's grad of microbatch `mb` alone, so it can be sent before the weight grads are made.
+
+        Keeps the graph and the gradients reaching each parameter's use, for `backward_weight`.
+        """
+        if self.is_first:
+            raise ValueError("the first stage has no input gradient to send; its schedule runs B, not I and W")
+        x, out = self._saved.pop(mb)
+        self._pending_weights[mb] = weight_pass = _WeightPass(out, x, self.parts.parameters())
+        return weight_pass.input_grad(out, x, grad_output)
+
+    def backward_weight(self, mb: int) -> None:
+        """Accumulate the weight grads of microbatch `mb`, whose `backward_input` has run."""
+        self._pending_weights.pop(mb).run()
+
     @property
     def num_saved(self) -> int:
-        """Microbatches whose activations are held for backward."""
-        return len(self._saved)
+        """Microbatches whose activations are held for backward (or for their weight grads)."""
+        return len(self._saved) + len(self._pending_weights)
 
     def clear(self) -> None:
         """Drop saved activations (after an aborted step)."""
         self._saved.clear()
+        self._pending_weights.clear()
 
     def _autocast(self, x: torch.Tensor):
         if self.autocast_dtype is None:
@@ -71,3 +88,110 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+class _WeightPass:
+    """Splits one backward into the input's gradient now and the weight gradients later.
+
+    The autograd nodes that use a parameter together with activations (a matmul taking a
+    weight, a norm's scale) are found by walking the graph. While the input's gradient is
+    computed, a hook keeps the gradient arriving at each such node; `run` later starts autograd
+    from those nodes towards their parameters only, one group of nodes and parameters at a time,
+    so no activation gradient is computed twice. If the output does not depend on the input,
+    the first pass is simply the full backward.
+    """
+
+    def __init__(self, out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]):
+        self.kept: dict = {}  # node using a parameter -> gradients arriving at it (filled by input_grad)
+        self.groups: list[tuple[set, list[torch.nn.Parameter]]] = []  # nodes and the parameters they reach
+        consumers = _consumers(out.grad_fn)
+        x_node = torch.autograd.graph.get_gradient_edge(x).node
+        on_x_path = _reachable([x_node], consumers)
+        if out.grad_fn not in on_x_path:
+            return
+        for param in params:
+            node = torch.autograd.graph.get_gradient_edge(param).node if param.requires_grad else None
+            if node not in consumers:
+                continue  # not used for this output
+            nodes, group = _reachable([node], consumers, stop=on_x_path), [param]
+            # Parameters that share a node (a weight and its bias, or one weight used twice) go together.
+            for other in [g for g in self.groups if g[0] & nodes]:
+                self.groups.remove(other)
+                nodes, group = nodes | other[0], group + other[1]
+            self.groups.append((nodes, group))
+        self.kept = {node: None for nodes, _ in self.groups for node in nodes}
+
+    def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
+        if not self.groups:
+            torch.autograd.backward(out, grad_output)
+            return x.grad
+
+        def keep(node):
+            def hook(grad_outputs):
+                self.kept[node] = grad_outputs
+            return hook
+
+        handles = [node.register_prehook(keep(node)) for node in self.kept]
+        try:
+            (grad_input,) = torch.autograd.grad(out, x, grad_output, retain_graph=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return grad_input
+
+    def run(self) -> None:
+        for nodes, params in self.groups:
+            edges, grads = [], []
+            for node in nodes:
+                for index, grad in enumerate(self.kept[node] or ()):
+                    if grad is not None:
+                        edges.append(torch.autograd.graph.GradientEdge(node, index))
+                        grads.append(grad)
+            # A node of the group reached again from another of its nodes must see only its own kept
+            # gradient, not that plus a second copy flowing down from the other node.
+            clamp = len(nodes) > 1
+            handles = [node.register_prehook(lambda _, kept=self.kept[node]: kept) for node in nodes] if clamp else []
+            try:
+                weight_grads = torch.autograd.grad(
+                    edges, [torch.autograd.graph.get_gradient_edge(p) for p in params], grads,
+                    retain_graph=True, allow_unused=True,
+                )
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for param, grad in zip(params, weight_grads):
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self.kept, self.groups = {}, []
+
+
+def _consumers(root) -> dict:
+    """For every autograd node under `root`, the nodes that take its output (edges reversed)."""
+    consumers = {root: []}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in consumers:
+                consumers[child] = []
+                stack.append(child)
+            consumers[child].append(node)
+    return consumers
+
+
+def _reachable(starts: list, consumers: dict, stop: set | None = None) -> set:
+    """Nodes reached from `starts` along consumer edges. With `stop`, the nodes of `stop` reached
+    first (the walk does not go past them), which is how a parameter finds where it meets the activations."""
+    seen, found, stack = set(starts), set(), list(starts)
+    while stack:
+        for consumer in consumers.get(stack.pop(), ()):
+            if consumer in seen:
+                continue
+            seen.add(consumer)
+            if stop is not None and consumer in stop:
+                found.add(consumer)
+            else:
+                stack.append(consumer)
+    return found if stop is not None else seen

@@ -46,6 +46,11 @@ class DecoderParts:
         parts = [self.embed_tokens, *(layer for _, layer in self.layers), self.norm, self.lm_head]
         return [m for m in parts if m is not None]
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of `modules()`, each once (a tied embedding and head are one)."""
+        unique = {id(p): p for module in self.modules() for p in module.parameters()}
+        return list(unique.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Input IDs (first stage) or hidden states in; hidden states or logits (last stage) out."""
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x

@@ -1,0 +1,89 @@
+"""PipelineStage: a backward split into input gradient and weight gradients equals the full backward. No processes."""
+
+import copy
+
+import pytest
+import torch
+from _models import build, make_batch
+
+from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
+from pipeline_parallel.stage import PipelineStage
+
+
+def _stage(model, layers, stage_idx, num_stages):
+    model = copy.deepcopy(model)
+    first, last = stage_idx == 0, stage_idx == num_stages - 1
+    keep_local_part(model, layers, first, last)
+    return model, PipelineStage(DecoderParts.of(model, layers, first, last), stage_idx, num_stages)
+
+
+@pytest.mark.parametrize("kind", ["own", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("stage_idx", [1, 2], ids=["middle", "last"])
+def test_split_backward_equals_full_backward(kind, stage_idx):
+    torch.manual_seed(0)
+    full_model = build(kind, num_layers=3, seed=3)
+    x, y = make_batch(4, 8, seed=1, num_microbatches=2)
+    hidden = [torch.randn(2, 8, full_model.config.hidden_size) for _ in range(2)]
+    grads_out = [torch.randn(2, 8, full_model.config.hidden_size) for _ in range(2)]
+    last = stage_idx == 2
+    results = []
+    for split in (False, True):
+        model, stage = _stage(full_model, range(stage_idx, stage_idx + 1), stage_idx, 3)
+        for mb in range(2):  # two microbatches: the weight pass must accumulate onto existing grads
+            stage.forward(mb, hidden[mb], y.chunk(2)[mb] if last else None, loss_scale=0.5)
+        input_grads = []
+        for mb in (1, 0):
+            grad = None if last else grads_out[mb]
+            if split:
+                input_grads.append(stage.backward_input(mb, grad))
+                assert all(p.grad is None for p in model.parameters()) or mb == 0, "weights wait for the weight pass"
+                assert stage.num_saved == 2 - (mb == 0)  # still held until its weight pass
+                stage.backward_weight(mb)
+            else:
+                input_grads.append(stage.backward(mb, grad))
+        assert stage.num_saved == 0
+        results.append((input_grads, {n: p.grad for n, p in model.named_parameters()}))
+    (full_inputs, full_weights), (split_inputs, split_weights) = results
+    for a, b in zip(full_inputs, split_inputs):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    assert full_weights.keys() == split_weights.keys() and all(g is not None for g in split_weights.values())
+    for name, grad in full_weights.items():
+        torch.testing.assert_close(split_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_first_stage_has_no_input_gradient_to_split():
+    model, stage = _stage(build("own", num_layers=2), range(0, 1), 0, 2)
+    x, _ = make_batch(2, 8)
+    stage.forward(0, x)
+    with pytest.raises(ValueError, match="first stage"):
+        stage.backward_input(0, torch.zeros(2, 8, 32))
+
+
+def test_split_backward_with_a_weight_used_twice_and_a_bias():
+    """One weight at two places on the activation path (tied layers): its gradient is counted once per use."""
+    from pipeline_parallel.stage import _WeightPass
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 6))
+    bias = torch.nn.Parameter(torch.randn(6))
+    scale = torch.nn.Parameter(torch.randn(6))
+    x0, grad_out = torch.randn(3, 6), torch.randn(3, 6)
+
+    def run(split):
+        for p in (weight, bias, scale):
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        out = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, weight, bias)), weight) * scale
+        if not split:
+            out.backward(grad_out)
+            return x.grad, [p.grad.clone() for p in (weight, bias, scale)]
+        weight_pass = _WeightPass(out, x, [weight, bias, scale])
+        grad_input = weight_pass.input_grad(out, x, grad_out)
+        assert all(p.grad is None for p in (weight, bias, scale))
+        weight_pass.run()
+        return grad_input, [p.grad.clone() for p in (weight, bias, scale)]
+
+    (full_input, full_weights), (split_input, split_weights) = run(False), run(True)
+    torch.testing.assert_close(split_input, full_input)
+    for a, b in zip(split_weights, full_weights):
+        torch.testing.assert_close(a, b)
