@@ -12,6 +12,7 @@ and the ratio to the bubble-bound ideal T_single / p * (m + p - 1) / m.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import os
 import socket
@@ -28,6 +29,7 @@ import pipeline_parallel as pp
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
 from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
+from pipeline_parallel.schedules import build_schedule, makespan, simulate
 
 
 def build_model(args) -> LlamaForCausalLM:
@@ -71,13 +73,14 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     first, last = rank == 0, rank == world - 1
 
     dist.barrier()
-    engines = {}
+    engines, pipes = {}, {}
     # T_single: the whole model in one thread on rank 0, while the other ranks wait.
     engines["single"] = (lambda: _single_step(base, x, y)) if rank == 0 else (lambda: None)
     for name in ("gpipe", "1f1b"):
         pipe = pp.Pipeline(copy.deepcopy(base), schedule=name, num_microbatches=args.microbatches,
                            layer_counts=counts, device="cpu")
         engines[f"ours {name}"] = (lambda pipe=pipe: (pipe.step(x, y), pipe.zero_grad()))
+        pipes[name] = pipe
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         model = copy.deepcopy(base)
         indices = layer_ranges(counts)[rank]
@@ -88,6 +91,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         engines[f"torch {name}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last), m.zero_grad()))
 
     times = {name: [] for name in engines}
+    durations = {name: collections.defaultdict(list) for name in pipes}  # our compute times per action
     for _ in range(args.rounds):  # blocks of consecutive steps, as in training; rotating engines
         for name, fn in engines.items():
             for _ in range(args.warmup):
@@ -99,9 +103,21 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 times[name].append(elapsed.item())
+                if name.startswith("ours"):
+                    for action, start, end in pipes[name.split()[1]].last_timeline:
+                        durations[name.split()[1]][action].append(end - start)
+    # The floor of each schedule: its step time with the compute times measured in our run and free
+    # transfers. Both engines run the same stage modules, so no engine can run that schedule faster.
+    medians = {name: {a: statistics.median(d) for a, d in per_action.items()} for name, per_action in durations.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, medians)
     if rank == 0:
+        floors = {}
+        for name in pipes:
+            measured = {a: d for per_rank in gathered for a, d in per_rank[name].items()}
+            floors[name] = makespan(simulate(build_schedule(name, world, args.microbatches), world, measured.__getitem__))
         medians = {name: statistics.median(t) for name, t in times.items()}
-        results.put((medians.pop("single"), medians, counts))
+        results.put((medians.pop("single"), medians, counts, floors))
     dist.destroy_process_group()
 
 
@@ -142,7 +158,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    single, medians, counts = results.get()
+    single, medians, counts, floors = results.get()
     for p in procs:
         p.join()
 
@@ -152,10 +168,14 @@ def main() -> None:
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo")
     print(f"single process, 1 thread: {single * 1e3:8.1f} ms/step")
     print(f"bubble-bound ideal      : {ideal * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m)")
-    print(f"{'engine':<12} {'ms/step':>9} {'vs torch':>9} {'vs ideal':>9}")
+    for name, floor in floors.items():
+        print(f"{name} floor{'':<{13 - len(name)}}: {floor * 1e3:8.1f} ms/step  (this schedule with our measured "
+              "compute times and free transfers)")
+    print(f"{'engine':<12} {'ms/step':>9} {'vs torch':>9} {'vs ideal':>9} {'vs floor':>9}")
     for name, t in medians.items():
-        torch_t = medians["torch " + name.split()[1]]
-        print(f"{name:<12} {t * 1e3:9.1f} {t / torch_t:9.3f} {t / ideal:9.3f}")
+        schedule = name.split()[1]
+        torch_t = medians["torch " + schedule]
+        print(f"{name:<12} {t * 1e3:9.1f} {t / torch_t:9.3f} {t / ideal:9.3f} {t / floors[schedule]:9.3f}")
 
 
 if __name__ == "__main__":

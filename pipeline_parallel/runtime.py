@@ -9,7 +9,7 @@ import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind, stage_to_rank
-from .schedules.actions import input_of
+from .schedules.actions import input_of, result_of
 from .stage import PipelineStage
 
 
@@ -41,7 +41,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     until they complete, so their tensors stay alive; all are waited for before returning.
     """
     received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Batch]] = {}
-    produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # outputs of F and B by action
+    produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # results for neighbours, by `result_of`
     in_flight: list[_Batch] = []
     pending: list[Action] = []
 
@@ -100,11 +100,15 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             else:
                 out = stage.forward(action.mb, data, training=step.training)
                 _check_activation(out, step, action)
-                produced[action] = out
+                produced[result_of(action)] = out
         elif action.kind == Kind.B:
             grad_input = stage.backward(action.mb, data)
             if not stage.is_first:
-                produced[action] = grad_input
+                produced[result_of(action)] = grad_input
+        elif action.kind == Kind.I:
+            produced[result_of(action)] = stage.backward_input(action.mb, data)
+        elif action.kind == Kind.W:
+            stage.backward_weight(action.mb)
         else:
             raise NotImplementedError(f"the runtime cannot execute {action!r}")
         step.timeline.append((action, start, time.perf_counter()))

@@ -18,7 +18,7 @@ from _dist import run_distributed
 from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
 
 import pipeline_parallel as pp
-from pipeline_parallel.schedules.actions import input_of
+from pipeline_parallel.schedules.actions import input_of, result_of
 
 MAX_NORM = 0.05
 TIMEOUT = 120
@@ -255,7 +255,7 @@ def _check_timelines(timelines, programs):
         assert [a for a, _, _ in timeline] == program
         assert all(start <= end for _, start, end in timeline)
         assert all(end <= nxt for (_, _, end), (_, nxt, _) in zip(timeline, timeline[1:]))
-        ends.update({a: end for a, _, end in timeline})
+        ends.update({result_of(a): end for a, _, end in timeline})
     for timeline in timelines:
         for a, start, _ in timeline:
             source = input_of(a, len(programs))

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
 from pipeline_parallel.schedules import B, F, Kind, gpipe, lower, one_f_one_b, validate
-from pipeline_parallel.schedules.actions import Action
+from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
 MICROBATCHES = range(1, 10)
@@ -16,14 +16,15 @@ RECV = {Kind.RECV_F, Kind.RECV_B}
 
 
 def _compute(actions):
-    return [a for a in actions if a.kind in (Kind.F, Kind.B)]
+    """The F/B order of a rank's list: a split backward (I, later W) counts as one B at its I."""
+    return [B(a.stage, a.mb) if a.kind == Kind.I else a for a in actions if a.kind in (Kind.F, Kind.B, Kind.I)]
 
 
 def _peak_in_flight(actions):
     live = peak = 0
     for a in actions:
         live += a.kind == Kind.F
-        live -= a.kind == Kind.B
+        live -= a.kind in (Kind.B, Kind.W)  # a split backward holds its activations until W
         peak = max(peak, live)
     return peak
 
@@ -52,11 +53,11 @@ def _independent_check(schedule, p, m):
             if a.kind == Kind.SEND_F:
                 assert F(a.stage, a.mb) in actions[:i]
             if a.kind == Kind.SEND_B:
-                assert B(a.stage, a.mb) in actions[:i]
+                assert B(a.stage, a.mb) in actions[:i] or I(a.stage, a.mb) in actions[:i]
             if a.kind == Kind.RECV_F:
                 assert F(a.stage, a.mb) in actions[i:]
             if a.kind == Kind.RECV_B:
-                assert B(a.stage, a.mb) in actions[i:]
+                assert B(a.stage, a.mb) in actions[i:] or I(a.stage, a.mb) in actions[i:]
         if rank == 0:
             assert not any(a.kind in (Kind.RECV_F, Kind.SEND_B) for a in actions)
         if rank == p - 1:
@@ -78,15 +79,20 @@ def _independent_check(schedule, p, m):
                 a = actions[pcs[rank]]
                 if a.kind in SEND or a.kind in RECV:
                     posted.add((a.kind in SEND, _message(a)[0]))
-                else:
-                    src = a.stage - 1 if a.kind == Kind.F else a.stage + 1
-                    msg = ("F" if a.kind == Kind.F else "B", src, a.mb)
-                    needs = 0 <= src < p
-                    if needs and not ((True, msg) in posted and (False, msg) in posted and (a.kind, src, a.mb) in done):
-                        break
-                    if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+                elif a.kind == Kind.W:  # weight gradients: after the I of the same microbatch
+                    if (Kind.I, a.stage, a.mb) not in done:
                         break
                     done.add((a.kind, a.stage, a.mb))
+                else:
+                    kind = Kind.F if a.kind == Kind.F else Kind.B  # an I makes the gradient a B would
+                    src = a.stage - 1 if kind == Kind.F else a.stage + 1
+                    msg = (kind.value, src, a.mb)
+                    needs = 0 <= src < p
+                    if needs and not ((True, msg) in posted and (False, msg) in posted and (kind, src, a.mb) in done):
+                        break
+                    if kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+                        break
+                    done.update({(kind, a.stage, a.mb), (a.kind, a.stage, a.mb)})
                 pcs[rank] += 1
                 moved = True
         assert moved, f"deadlock at {pcs}"
@@ -124,6 +130,22 @@ def test_peak_in_flight_microbatches():
                 assert _peak_in_flight(gp[rank]) == m
 
 
+def test_each_rank_sends_its_last_gradient_before_its_weight_gradients():
+    for name in ("gpipe", "1f1b"):
+        for p in STAGES:
+            for m in MICROBATCHES:
+                for rank, actions in enumerate(build_schedule(name, p, m)):
+                    split = [a for a in actions if a.kind in (Kind.I, Kind.W)]
+                    backwards = [a for a in _compute(actions) if a.kind == Kind.B]
+                    if rank == 0:  # the first stage has no input gradient
+                        assert not split
+                        continue
+                    last = backwards[-1]
+                    assert split == [I(rank, last.mb), W(rank, last.mb)], (name, p, m, rank)
+                    i = actions.index(I(rank, last.mb))
+                    assert actions[i + 1:] == [Action(Kind.SEND_B, rank, last.mb), W(rank, last.mb)]
+
+
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
     gp = gpipe(4, 6)
     for rank, actions in enumerate(gp):
@@ -150,7 +172,21 @@ def _lowered(compute):
 def test_validator_catches_missing_backward():
     compute = gpipe(2, 2)
     compute[1].remove(B(1, 0))
-    with pytest.raises(ScheduleError, match=r"rank 1 must run F/B.*missing \[.*B.*1, 0\)\]"):
+    with pytest.raises(ScheduleError, match=r"rank 1 must run F and B \(or I and W\) of stage 1, microbatch 0; it runs \['F'\]"):
+        validate(_lowered(compute), 2, 2)
+
+
+@pytest.mark.parametrize("backward, error", [
+    ([I(1, 0)], r"must run F and B \(or I and W\) of stage 1, microbatch 0; it runs \['F', 'I'\]"),
+    ([I(1, 0), W(1, 0), B(1, 0)], r"it runs \['B', 'F', 'I', 'W'\]"),
+    ([W(1, 0), I(1, 0)], r"rank 1 runs W1\.0 before the I"),
+    ([I(1, 0), W(1, 0), W(1, 3)], r"rank 1 runs \[W1\.3\], but owns stages \[1\] and microbatches 0\.\.1"),
+])
+def test_validator_checks_split_backwards(backward, error):
+    compute = gpipe(2, 2)
+    compute[1].remove(B(1, 0))
+    compute[1] += backward
+    with pytest.raises(ScheduleError, match=error):
         validate(_lowered(compute), 2, 2)
 
 
@@ -225,32 +261,45 @@ def test_no_process_group_needed():
 # --- simulate: step time of a schedule from compute times, checked against closed forms ---
 
 
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
     from pipeline_parallel.schedules import makespan, simulate
 
+    cost = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.25, Kind.W: 0.75}
     for p in STAGES:
         for m in MICROBATCHES:
-            times = simulate(build_schedule(name, p, m), p, lambda a: 1.0 if a.kind == Kind.F else 2.0)
-            assert makespan(times) == pytest.approx((m + p - 1) * 3.0), (p, m)
+            whole = makespan(simulate(lower(GENERATORS[name](p, m), p), p, lambda a: cost[a.kind]))
+            assert whole == pytest.approx((m + p - 1) * 3.0), (p, m)
+            # Sending the last gradient before the weight gradients never costs time when I + W = B,
+            # and in 1F1B it saves time whenever there is a pipeline.
+            split = makespan(simulate(build_schedule(name, p, m), p, lambda a: cost[a.kind]))
+            assert split <= whole
+            if name == "1f1b" and p > 1:
+                assert split < whole
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
-    """Two stages, the last one slower: it works without pause once its first input arrives."""
+    """Two stages, the last one slower: it works without pause once its first input arrives,
+    and hands its last gradient on one weight-gradient pass (w1) before its own step ends."""
     from pipeline_parallel.schedules import makespan, simulate
 
-    f, b = {0: 1.0, 1: 1.5}, {0: 2.0, 1: 3.0}
+    f, b, i1, w1 = {0: 1.0, 1: 1.5}, {0: 2.0, 1: 3.0}, 1.75, 1.25
+    cost = lambda a: {Kind.F: f[a.stage], Kind.B: b[a.stage], Kind.I: i1, Kind.W: w1}[a.kind]
     for m in MICROBATCHES:
         for transfer in (0.0, 0.25):
-            times = simulate(build_schedule(name, 2, m), 2, lambda a: f[a.stage] if a.kind == Kind.F else b[a.stage],
-                             transfer=transfer)
-            expected = f[0] + transfer + m * (f[1] + b[1]) + transfer + b[0]
-            if name == "gpipe":  # the last stage's forwards may also wait on the first stage's
-                expected = max(expected, m * f[0] + transfer + f[1] + m * b[1] + transfer + b[0])
+            schedule = build_schedule(name, 2, m)
+            times = simulate(schedule, 2, cost, transfer=transfer)
+            expected = f[0] + transfer + m * (f[1] + b[1]) - w1 + transfer + b[0]
+            if name == "gpipe":  # the first stage runs its backwards as gradients arrive, one after another
+                arrival = [f[0] + 2 * transfer + m * f[1] + (k + 1) * b[1] - (w1 if k == m - 1 else 0) for k in range(m)]
+                expected = max(arrival[k] + (m - k) * b[0] for k in range(m))
             assert makespan(times) == pytest.approx(expected), (m, transfer)
             for rank in range(2):  # a rank runs one action at a time, in its list order
-                spans = [times[a] for a in _compute(build_schedule(name, 2, m)[rank])]
+                spans = [times[a] for a in schedule[rank] if not a.kind.is_comm]
                 assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
 
 

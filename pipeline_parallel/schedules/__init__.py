@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from .actions import Action, B, F, Kind, Schedule, stage_to_rank, stages_of_rank
+from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
+from .split import split_last_backward
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -24,6 +25,8 @@ def build_schedule(
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
+    else:
+        compute = split_last_backward(compute)
     lowered = lower(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)
@@ -31,6 +34,7 @@ def build_schedule(
 
 
 __all__ = [
-    "Action", "B", "F", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "gpipe", "lower",
-    "makespan", "one_f_one_b", "simulate", "stage_to_rank", "stages_of_rank", "validate",
+    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "gpipe",
+    "lower", "makespan", "one_f_one_b", "simulate", "split_last_backward", "stage_to_rank", "stages_of_rank",
+    "validate",
 ]

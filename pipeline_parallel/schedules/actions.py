@@ -11,6 +11,8 @@ class Kind(str, Enum):
 
     F = "F"  # forward of one microbatch through one stage
     B = "B"  # full backward (input and weight gradients) of one microbatch
+    I = "I"  # noqa: E741 - backward for the input gradient only; its weight gradients wait for W
+    W = "W"  # weight gradients of a microbatch whose I has run
     SEND_F = "SEND_F"  # send this stage's forward output to the next stage
     RECV_F = "RECV_F"  # receive this stage's forward input from the previous stage
     SEND_B = "SEND_B"  # send this stage's input gradient to the previous stage
@@ -43,11 +45,30 @@ def B(stage: int, mb: int) -> Action:
     return Action(Kind.B, stage, mb)
 
 
+def I(stage: int, mb: int) -> Action:  # noqa: E743
+    return Action(Kind.I, stage, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(Kind.W, stage, mb)
+
+
+def result_of(action: Action) -> Action | None:
+    """What a compute action hands to a neighbouring stage: the activation `F(stage, mb)` or the
+    input gradient, named `B(stage, mb)` whether a B or an I made it; W hands on nothing."""
+    if action.kind == Kind.W:
+        return None
+    return Action(Kind.F if action.kind == Kind.F else Kind.B, action.stage, action.mb)
+
+
 def input_of(action: Action, num_stages: int) -> Action | None:
-    """The compute action whose result `action` consumes: the previous stage's forward for F, the
-    next stage's backward for B; None where the input comes from the data (first F, last B)."""
+    """The neighbour's result (see `result_of`) that `action` consumes: the previous stage's
+    activation for F, the next stage's input gradient for B and I; None where the input comes
+    from the data (first F, last B or I) or from this stage itself (W, after its I)."""
+    if action.kind == Kind.W:
+        return None
     source = action.stage - 1 if action.kind == Kind.F else action.stage + 1
-    return Action(action.kind, source, action.mb) if 0 <= source < num_stages else None
+    return Action(Kind.F if action.kind == Kind.F else Kind.B, source, action.mb) if 0 <= source < num_stages else None
 
 
 def stage_to_rank(stage: int, num_ranks: int) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .actions import Action, Kind, Schedule, input_of, stage_to_rank
+from .actions import Action, Kind, Schedule, input_of, result_of, stage_to_rank
 
 
 def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
@@ -42,7 +42,9 @@ def _remote(stage: int, peer: int | None, num_ranks: int) -> bool:
 
 
 def _send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
-    if action.kind.is_comm or not _remote(action.stage, _peer_stage(action, num_stages), num_ranks):
+    if action.kind.is_comm or result_of(action) is None:
+        return []
+    if not _remote(action.stage, _peer_stage(action, num_stages), num_ranks):
         return []
     kind = Kind.SEND_F if action.kind == Kind.F else Kind.SEND_B
     return [Action(kind, action.stage, action.mb)]

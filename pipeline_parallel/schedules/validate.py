@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Kind, Schedule, input_of, stage_to_rank, stages_of_rank
+from .actions import Action, Kind, Schedule, input_of, result_of, stage_to_rank, stages_of_rank
 from .lowering import message
 
 
@@ -26,37 +26,45 @@ def validate(
     when all of its transfers have met their peers.
     """
     num_ranks = len(lowered)
-    _check_compute_coverage(lowered, num_stages, num_microbatches, (Kind.F,) if forward_only else (Kind.F, Kind.B))
+    _check_compute_coverage(lowered, num_stages, num_microbatches, forward_only)
     _check_channels(lowered, num_ranks)
     _check_progress(lowered, num_stages, num_ranks)
     if in_order:
         _check_in_order_batches(lowered, num_stages, num_ranks)
 
 
-def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int, kinds: tuple) -> None:
+def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches: int, forward_only: bool) -> None:
+    """Each (stage, mb) of a rank: one F, then one B or an I and later its W (nothing more when forward only)."""
     num_ranks = len(lowered)
     for rank, actions in enumerate(lowered):
-        expected = {
-            (kind, stage, mb)
-            for stage in stages_of_rank(rank, num_stages, num_ranks)
-            for mb in range(num_microbatches)
-            for kind in kinds
-        }
-        seen = [(a.kind, a.stage, a.mb) for a in actions if not a.kind.is_comm]
+        stages = stages_of_rank(rank, num_stages, num_ranks)
+        seen = [a for a in actions if not a.kind.is_comm]
         duplicates = {a for a, count in Counter(seen).items() if count > 1}
         if duplicates:
             raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
-        missing, extra = expected - set(seen), set(seen) - expected
-        if missing or extra:
-            raise ScheduleError(
-                f"rank {rank} must run {'/'.join(k.value for k in kinds)} of its stages {stages_of_rank(rank, num_stages, num_ranks)} for "
-                f"microbatches 0..{num_microbatches - 1}; missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
+        unexpected = sorted(a for a in seen if a.stage not in stages or not 0 <= a.mb < num_microbatches
+                            or (forward_only and a.kind != Kind.F))
+        if unexpected:
+            raise ScheduleError(f"rank {rank} runs {unexpected}, but owns stages {stages} and microbatches "
+                                f"0..{num_microbatches - 1}" + (" and runs forwards only" if forward_only else ""))
+        kinds = defaultdict(set)
+        for a in seen:
+            kinds[(a.stage, a.mb)].add(a.kind)
+        for stage in stages:
+            for mb in range(num_microbatches):
+                got = kinds[(stage, mb)]
+                ok = got == {Kind.F} if forward_only else got in ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W})
+                if not ok:
+                    need = "F" if forward_only else "F and B (or I and W)"
+                    raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
+                                        f"it runs {sorted(k.value for k in got) or 'nothing'}")
         done = set()
-        for a in actions:
-            if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+        for a in seen:
+            if a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.stage, a.mb) not in done:
                 raise ScheduleError(f"rank {rank} runs {a!r} before the forward of that stage and microbatch")
-            done.add((a.kind, a.stage, a.mb))
+            if a.kind == Kind.W and Action(Kind.I, a.stage, a.mb) not in done:
+                raise ScheduleError(f"rank {rank} runs {a!r} before the I of that stage and microbatch")
+            done.add(a)
 
 
 def _peer(action, num_ranks: int) -> int:
@@ -96,19 +104,23 @@ def _describe(msg) -> str:
 
 
 def _compute_ready(rank: int, a, done: set, arrived, num_stages: int, num_ranks: int) -> bool:
-    """Whether compute action `a` on `rank` has its input: B after its F, and the data it consumes.
+    """Whether compute action `a` on `rank` has its input: B or I after its F, W after its I, and
+    the data it consumes.
 
-    That data is the neighbouring stage's result: local if that stage is on the same rank,
-    otherwise a message for which `arrived(message)` says whether it has been received.
+    `done` holds finished actions and their results (`result_of`). The data is the neighbouring
+    stage's result: local if that stage is on the same rank, otherwise a message for which
+    `arrived(message)` says whether it has been received.
     """
-    if a.kind == Kind.B and (Kind.F, a.stage, a.mb) not in done:
+    if a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.stage, a.mb) not in done:
         return False
+    if a.kind == Kind.W:
+        return Action(Kind.I, a.stage, a.mb) in done
     source = input_of(a, num_stages)
     if source is None:
         return True
     if stage_to_rank(source.stage, num_ranks) == rank:
         return source in done
-    return arrived((a.kind.value, source.stage, a.mb))
+    return arrived((source.kind.value, source.stage, source.mb))
 
 
 def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
@@ -133,7 +145,7 @@ def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
                 elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                     posted_recvs.add((rank, message(a)))
                 else:
-                    done.add((a.kind, a.stage, a.mb))
+                    done.update({a, result_of(a)})
                 pcs[rank] += 1
                 progressed = True
         if not progressed:
@@ -206,7 +218,7 @@ def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) 
                 if kind == "batch":
                     posted[rank].append(item)
                 elif ready(rank, item):
-                    done_compute.add((item.kind, item.stage, item.mb))
+                    done_compute.update({item, result_of(item)})
                 else:
                     break
                 pcs[rank] += 1
