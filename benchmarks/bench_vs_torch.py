@@ -1,12 +1,14 @@
 """Step time of our GPipe and 1F1B against torch.distributed.pipelining on the same stages and data.
 
-    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 3] [--steps 4]
+    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 8] [--steps 2]
 
 CPU, gloo, one thread per rank. Every rank builds the same Llama (8 layers, hidden 256) and
 keeps the same stage for both engines (our cost-balanced split); a single-process run with one
-thread gives T_single. Each engine runs blocks of consecutive steps, as in training, and the
-blocks rotate over several rounds, so drift on a busy machine hits all of them alike. Prints each engine's median step time, the ratio to torch's equivalent,
-and the ratio to the bubble-bound ideal T_single / p * (m + p - 1) / m.
+thread gives T_single. The engines take turns over several rounds, each running a short block
+of consecutive steps; ratios are taken within a round and their median over the rounds is
+reported, so the drift of a busy machine cancels out. Besides the ratio to torch and to the
+bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with its
+floor: the step time the schedule allows with the compute times measured in our run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pipeline_parallel as pp
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
 from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
-from pipeline_parallel.schedules import build_schedule, makespan, simulate
+from pipeline_parallel.schedules import SCHEDULES, Action, Kind, build_schedule, lower, makespan, simulate
 
 
 def build_model(args) -> LlamaForCausalLM:
@@ -90,9 +92,12 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         schedule = cls(stage, args.microbatches, loss_fn=_torch_loss)
         engines[f"torch {name}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last), m.zero_grad()))
 
-    times = {name: [] for name in engines}
-    durations = {name: collections.defaultdict(list) for name in pipes}  # our compute times per action
-    for _ in range(args.rounds):  # blocks of consecutive steps, as in training; rotating engines
+    # Rounds over all engines, each running a short block of consecutive steps, as in training.
+    # Ratios are taken within a round, between blocks a few seconds apart, so the drift of a busy
+    # machine cancels out; the report gives their median over the rounds.
+    times = {name: [[] for _ in range(args.rounds)] for name in engines}
+    durations = {name: [collections.defaultdict(list) for _ in range(args.rounds)] for name in pipes}
+    for r in range(args.rounds):
         for name, fn in engines.items():
             for _ in range(args.warmup):
                 fn()
@@ -102,23 +107,36 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                 fn()
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                times[name].append(elapsed.item())
+                times[name][r].append(elapsed.item())
                 if name.startswith("ours"):
-                    for action, start, end in pipes[name.split()[1]].last_timeline:
-                        durations[name.split()[1]][action].append(end - start)
-    # The floor of each schedule: its step time with the compute times measured in our run and free
-    # transfers. Both engines run the same stage modules, so no engine can run that schedule faster.
-    medians = {name: {a: statistics.median(d) for a, d in per_action.items()} for name, per_action in durations.items()}
+                    for action, begin, end in pipes[name.split()[1]].last_timeline:
+                        durations[name.split()[1]][r][action].append(end - begin)
+    medians = {name: [{a: statistics.median(d) for a, d in per_action.items()} for per_action in rounds]
+               for name, rounds in durations.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, medians)
     if rank == 0:
-        floors = {}
-        for name in pipes:
-            measured = {a: d for per_rank in gathered for a, d in per_rank[name].items()}
-            floors[name] = makespan(simulate(build_schedule(name, world, args.microbatches), world, measured.__getitem__))
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        results.put((medians.pop("single"), medians, counts, floors))
+        # Our compute times of each round, all ranks together, per schedule.
+        measured = {name: [{a: d for per_rank in gathered for a, d in per_rank[name][r].items()}
+                           for r in range(args.rounds)] for name in pipes}
+        results.put(({name: [statistics.median(t) for t in rounds] for name, rounds in times.items()}, counts, measured))
     dist.destroy_process_group()
+
+
+def floor(name: str, world: int, m: int, measured: dict, whole_backwards: bool = False) -> float:
+    """The step time a schedule allows with these compute times and free transfers.
+
+    Both engines run the same stage modules, so no engine runs this schedule faster. With
+    `whole_backwards`, the same schedule without our split of the cooldown backwards (B = I + W),
+    which is what torch runs.
+    """
+    if not whole_backwards:
+        return makespan(simulate(build_schedule(name, world, m), world, measured.__getitem__))
+    whole = {**measured}
+    for a, d in measured.items():
+        if a.kind == Kind.I:
+            whole[Action(Kind.B, a.stage, a.mb)] = d + measured[Action(Kind.W, a.stage, a.mb)]
+    return makespan(simulate(lower(SCHEDULES[name](world, m), world), world, whole.__getitem__))
 
 
 def _single_step(model, x, y):
@@ -145,8 +163,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over all engines")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per engine per round")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds over all engines")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
     args = parser.parse_args()
 
@@ -158,24 +176,35 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    single, medians, counts, floors = results.get()
+    per_round, counts, measured = results.get()
     for p in procs:
         p.join()
 
     p, m = args.ranks, args.microbatches
-    ideal = single / p * (m + p - 1) / m
+    ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
+    floors = {name: [floor(name, p, m, d) for d in rounds] for name, rounds in measured.items()}
+    whole = {name: [floor(name, p, m, d, whole_backwards=True) for d in rounds] for name, rounds in measured.items()}
+    med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
-          f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo")
-    print(f"single process, 1 thread: {single * 1e3:8.1f} ms/step")
-    print(f"bubble-bound ideal      : {ideal * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m)")
-    for name, floor in floors.items():
-        print(f"{name} floor{'':<{13 - len(name)}}: {floor * 1e3:8.1f} ms/step  (this schedule with our measured "
-              "compute times and free transfers)")
-    print(f"{'engine':<12} {'ms/step':>9} {'vs torch':>9} {'vs ideal':>9} {'vs floor':>9}")
-    for name, t in medians.items():
+          f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
+          f"{args.rounds} rounds of {args.steps} steps per engine")
+    print(f"single process, 1 thread: {med(ideal) * m / (m + p - 1) * p * 1e3:8.1f} ms/step")
+    print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m)")
+    for name in floors:
+        print(f"floor of our {name:<6}   : {med(floors[name]) * 1e3:8.1f} ms/step  (with whole backwards, as torch "
+              f"runs it: {med(whole[name]) * 1e3:.1f}); our measured compute times, free transfers")
+    print("ratios: median over rounds [lowest, highest]")
+    print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs floor':<21}")
+
+    def ratio(a, b):
+        values = [x / y for x, y in zip(a, b)]
+        return f"{med(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+    for name, t in per_round.items():
         schedule = name.split()[1]
-        torch_t = medians["torch " + schedule]
-        print(f"{name:<12} {t * 1e3:9.1f} {t / torch_t:9.3f} {t / ideal:9.3f} {t / floors[schedule]:9.3f}")
+        vs_floor = ratio(t, floors[schedule]) if name.startswith("ours") else "-"
+        print(f"{name:<12} {med(t) * 1e3:8.1f}  {ratio(t, per_round['torch ' + schedule]):<21} "
+              f"{ratio(t, ideal):<21} {vs_floor:<21}")
 
 
 if __name__ == "__main__":

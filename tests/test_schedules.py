@@ -130,20 +130,24 @@ def test_peak_in_flight_microbatches():
                 assert _peak_in_flight(gp[rank]) == m
 
 
-def test_each_rank_sends_its_last_gradient_before_its_weight_gradients():
+def test_cooldown_backwards_send_their_gradient_before_weight_gradients():
     for name in ("gpipe", "1f1b"):
         for p in STAGES:
             for m in MICROBATCHES:
                 for rank, actions in enumerate(build_schedule(name, p, m)):
-                    split = [a for a in actions if a.kind in (Kind.I, Kind.W)]
-                    backwards = [a for a in _compute(actions) if a.kind == Kind.B]
-                    if rank == 0:  # the first stage has no input gradient
-                        assert not split
-                        continue
-                    last = backwards[-1]
-                    assert split == [I(rank, last.mb), W(rank, last.mb)], (name, p, m, rank)
-                    i = actions.index(I(rank, last.mb))
-                    assert actions[i + 1:] == [Action(Kind.SEND_B, rank, last.mb), W(rank, last.mb)]
+                    compute = [a for a in actions if not a.kind.is_comm]
+                    last_forward = max(i for i, a in enumerate(compute) if a.kind == Kind.F)
+                    for i, a in enumerate(compute):
+                        cooldown = i > last_forward and rank > 0  # the first stage has no input gradient
+                        if a.kind == Kind.B:
+                            assert not cooldown, (name, p, m, a)
+                        if a.kind == Kind.I:
+                            assert cooldown and compute[i + 1] == W(a.stage, a.mb), (name, p, m, a)
+                            at = actions.index(a)  # the gradient leaves before the weight gradients are made
+                            assert actions[at + 1] == Action(Kind.SEND_B, rank, a.mb)
+                            between = actions[at + 2:actions.index(W(rank, a.mb))]
+                            assert all(b.kind == Kind.RECV_B for b in between)  # at most the next one's prefetch
+                    assert any(a.kind == Kind.I for a in compute) == (rank > 0)
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
@@ -284,7 +288,7 @@ def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
     """Two stages, the last one slower: it works without pause once its first input arrives,
-    and hands its last gradient on one weight-gradient pass (w1) before its own step ends."""
+    and hands each gradient of its cooldown on one weight-gradient pass (w1) early."""
     from pipeline_parallel.schedules import makespan, simulate
 
     f, b, i1, w1 = {0: 1.0, 1: 1.5}, {0: 2.0, 1: 3.0}, 1.75, 1.25
@@ -295,7 +299,7 @@ def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
             times = simulate(schedule, 2, cost, transfer=transfer)
             expected = f[0] + transfer + m * (f[1] + b[1]) - w1 + transfer + b[0]
             if name == "gpipe":  # the first stage runs its backwards as gradients arrive, one after another
-                arrival = [f[0] + 2 * transfer + m * f[1] + (k + 1) * b[1] - (w1 if k == m - 1 else 0) for k in range(m)]
+                arrival = [f[0] + 2 * transfer + m * f[1] + k * b[1] + i1 for k in range(m)]  # all split: I first
                 expected = max(arrival[k] + (m - k) * b[0] for k in range(m))
             assert makespan(times) == pytest.approx(expected), (m, transfer)
             for rank in range(2):  # a rank runs one action at a time, in its list order

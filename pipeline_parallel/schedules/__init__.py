@@ -7,7 +7,7 @@ from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import split_last_backward
+from .split import split_cooldown_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -26,7 +26,7 @@ def build_schedule(
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     else:
-        compute = split_last_backward(compute)
+        compute = split_cooldown_backwards(compute)
     lowered = lower(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)
@@ -35,6 +35,6 @@ def build_schedule(
 
 __all__ = [
     "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "gpipe",
-    "lower", "makespan", "one_f_one_b", "simulate", "split_last_backward", "stage_to_rank", "stages_of_rank",
+    "lower", "makespan", "one_f_one_b", "simulate", "split_cooldown_backwards", "stage_to_rank", "stages_of_rank",
     "validate",
 ]

@@ -1,25 +1,27 @@
-"""A pass over compute schedules: each rank's last backward sends its input gradient first."""
+"""A pass over compute schedules: in the cooldown, gradients are sent before weight gradients are made."""
 
 from __future__ import annotations
 
-from .actions import Kind, Schedule, I, W
+from .actions import I, Kind, Schedule, W
 
 
-def split_last_backward(schedule: Schedule) -> Schedule:
-    """Turn each rank's last B into I then W, except on the first stage (it has no input gradient).
+def split_cooldown_backwards(schedule: Schedule) -> Schedule:
+    """Turn every B that comes after its rank's last F into I then W, except on the first stage.
 
-    The step ends when the last microbatch's gradient has travelled back to the first stage.
-    With the split, each stage hands it on as soon as it is computed and makes its weight
-    gradients while the earlier stages work, so every hop of that final chain is shorter by
-    one weight-gradient pass. Earlier backwards stay whole: there the split only adds the cost
-    of walking the autograd graph.
+    Once a rank has no forwards left, the earlier stages can only wait for its gradients, and
+    the step ends when the last one reaches the first stage. Split, each backward hands its
+    input gradient on as soon as it is computed and makes its weight gradients while the earlier
+    stages work. Backwards between forwards stay whole: there the next forward waits either way,
+    and the split costs an autograd graph walk. The first stage has no input gradient to send.
     """
     result = []
     for actions in schedule:
-        actions = list(actions)
-        last = max((i for i, a in enumerate(actions) if a.kind == Kind.B), default=None)
-        if last is not None and actions[last].stage > 0:
-            b = actions[last]
-            actions[last:last + 1] = [I(b.stage, b.mb), W(b.stage, b.mb)]
-        result.append(actions)
+        last_forward = max((i for i, a in enumerate(actions) if a.kind == Kind.F), default=-1)
+        split = []
+        for i, a in enumerate(actions):
+            if a.kind == Kind.B and i > last_forward and a.stage > 0:
+                split += [I(a.stage, a.mb), W(a.stage, a.mb)]
+            else:
+                split.append(a)
+        result.append(split)
     return result
