@@ -10,16 +10,18 @@ from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
 from pipeline_parallel.stage import PipelineStage
 
 
-def _stage(model, layers, stage_idx, num_stages):
+def _stage(model, layers, stage_idx, num_stages, autocast_dtype=None):
     model = copy.deepcopy(model)
     first, last = stage_idx == 0, stage_idx == num_stages - 1
     keep_local_part(model, layers, first, last)
-    return model, PipelineStage(DecoderParts.of(model, layers, first, last), stage_idx, num_stages)
+    return model, PipelineStage(DecoderParts.of(model, layers, first, last), stage_idx, num_stages, autocast_dtype)
 
 
-@pytest.mark.parametrize("kind", ["own", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind, autocast_dtype", [("own", None), ("llama", None), ("qwen2", None), ("mistral", None),
+                                                   ("own", torch.bfloat16)], ids=["own", "llama", "qwen2", "mistral",
+                                                                                   "own-bf16-autocast"])
 @pytest.mark.parametrize("stage_idx", [1, 2], ids=["middle", "last"])
-def test_split_backward_equals_full_backward(kind, stage_idx):
+def test_split_backward_equals_full_backward(kind, autocast_dtype, stage_idx):
     torch.manual_seed(0)
     full_model = build(kind, num_layers=3, seed=3)
     x, y = make_batch(4, 8, seed=1, num_microbatches=2)
@@ -28,7 +30,7 @@ def test_split_backward_equals_full_backward(kind, stage_idx):
     last = stage_idx == 2
     results = []
     for split in (False, True):
-        model, stage = _stage(full_model, range(stage_idx, stage_idx + 1), stage_idx, 3)
+        model, stage = _stage(full_model, range(stage_idx, stage_idx + 1), stage_idx, 3, autocast_dtype)
         for mb in range(2):  # two microbatches: the weight pass must accumulate onto existing grads
             stage.forward(mb, hidden[mb], y.chunk(2)[mb] if last else None, loss_scale=0.5)
         input_grads = []
