@@ -147,21 +147,18 @@ class _WeightPass:
                     if grad is not None:
                         edges.append(torch.autograd.graph.GradientEdge(node, index))
                         grads.append(grad)
+            if not edges:
+                continue  # no gradient reached these parameters
             # A node of the group reached again from another of its nodes must see only its own kept
             # gradient, not that plus a second copy flowing down from the other node.
             clamp = len(nodes) > 1
             handles = [node.register_prehook(lambda _, kept=self.kept[node]: kept) for node in nodes] if clamp else []
-            try:
-                weight_grads = torch.autograd.grad(
-                    edges, [torch.autograd.graph.get_gradient_edge(p) for p in params], grads,
-                    retain_graph=True, allow_unused=True,
-                )
+            try:  # through the parameters' own accumulators: .grad adds up and their hooks fire as usual
+                torch.autograd.backward(edges, grads, retain_graph=True,
+                                        inputs=[torch.autograd.graph.get_gradient_edge(p) for p in params])
             finally:
                 for handle in handles:
                     handle.remove()
-            for param, grad in zip(params, weight_grads):
-                if grad is not None:
-                    param.grad = grad if param.grad is None else param.grad.add_(grad)
         self.kept, self.groups = {}, []
 
 

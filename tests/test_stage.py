@@ -89,3 +89,17 @@ def test_split_backward_with_a_weight_used_twice_and_a_bias():
     torch.testing.assert_close(split_input, full_input)
     for a, b in zip(split_weights, full_weights):
         torch.testing.assert_close(a, b)
+
+
+def test_split_backward_accumulates_through_the_parameters_hooks():
+    """Weight gradients go through each parameter's accumulator, so its hooks fire as in a whole backward."""
+    model, stage = _stage(build("own", num_layers=2, seed=1), range(1, 2), 1, 2)
+    fired = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    _, y = make_batch(2, 8)
+    stage.forward(0, torch.randn(2, 8, 32), y, loss_scale=1.0)
+    stage.backward_input(0, None)
+    assert not fired
+    stage.backward_weight(0)
+    assert sorted(fired) == sorted(n for n, _ in model.named_parameters())
