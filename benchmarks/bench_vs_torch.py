@@ -123,20 +123,30 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
-def floor(name: str, world: int, m: int, measured: dict, whole_backwards: bool = False) -> float:
+def floor(name: str, world: int, m: int, measured: dict, whole_b: dict | None = None) -> float:
     """The step time a schedule allows with these compute times and free transfers.
 
     Both engines run the same stage modules, so no engine runs this schedule faster. With
-    `whole_backwards`, the same schedule without our split of the cooldown backwards (B = I + W),
-    which is what torch runs.
+    `whole_b` (a whole backward's time per stage), the same schedule without our split of the
+    cooldown backwards, which is what torch runs.
     """
-    if not whole_backwards:
+    if whole_b is None:
         return makespan(simulate(build_schedule(name, world, m), world, measured.__getitem__))
     whole = {**measured}
     for a, d in measured.items():
         if a.kind == Kind.I:
-            whole[Action(Kind.B, a.stage, a.mb)] = d + measured[Action(Kind.W, a.stage, a.mb)]
+            whole[Action(Kind.B, a.stage, a.mb)] = whole_b.get(a.stage, d + measured[Action(Kind.W, a.stage, a.mb)])
     return makespan(simulate(lower(SCHEDULES[name](world, m), world), world, whole.__getitem__))
+
+
+def whole_backward_times(measured: dict) -> dict[int, float]:
+    """Median time of a whole backward per stage, from the B actions our schedules ran unsplit."""
+    per_stage = collections.defaultdict(list)
+    for per_schedule in measured.values():
+        for a, d in per_schedule.items():
+            if a.kind == Kind.B:
+                per_stage[a.stage].append(d)
+    return {stage: statistics.median(d) for stage, d in per_stage.items()}
 
 
 def _single_step(model, x, y):
@@ -186,7 +196,9 @@ def main() -> None:
     ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
     floors = {name: [floor(name, p, m, d) for d in rounds] for name, rounds in measured.items()}
-    whole = {name: [floor(name, p, m, d, whole_backwards=True) for d in rounds] for name, rounds in measured.items()}
+    # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
+    whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
+    whole = {name: [floor(name, p, m, d, whole_b[r]) for r, d in enumerate(rounds)] for name, rounds in measured.items()}
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "

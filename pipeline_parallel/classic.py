@@ -8,7 +8,7 @@ from torch import nn
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm
 from .models.decoder import DecoderParts, check_layout, tied_weight_end
-from .partition import balanced_layer_counts, layer_ranges
+from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
 from .stage import IGNORE_INDEX, PipelineStage
@@ -64,7 +64,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
-    program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives)[stage_idx]
+    program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives,
+                             stage_costs=stage_costs(layer_counts, estimate_costs(model.config)))[stage_idx]
     loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
     return loss.item() if loss is not None else None
 

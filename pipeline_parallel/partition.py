@@ -44,12 +44,7 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
         return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
     def stage_cost(first: int, last: int, stage: int) -> float:
-        cost = (last - first) * costs.layer
-        if stage == 0:
-            cost += costs.embedding
-        if stage == num_stages - 1:
-            cost += costs.head
-        return cost
+        return _stage_cost(last - first, stage, num_stages, costs)
 
     # best[s][n]: (max stage cost, counts) for the first n layers over stages 0..s-1.
     inf = float("inf")
@@ -70,6 +65,20 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
                 cost, _, counts = min(candidates)
                 best[s][n] = (cost, counts)
     return list(best[num_stages][num_layers][1])
+
+
+def stage_costs(layer_counts: list[int], costs: StageCosts) -> list[float]:
+    """The estimated cost of each stage of a split (its layers, plus the embedding or head it holds)."""
+    return [_stage_cost(count, stage, len(layer_counts), costs) for stage, count in enumerate(layer_counts)]
+
+
+def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: StageCosts) -> float:
+    cost = num_layers * costs.layer
+    if stage == 0:
+        cost += costs.embedding
+    if stage == num_stages - 1:
+        cost += costs.head
+    return cost
 
 
 def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int) -> list[int]:

@@ -10,7 +10,7 @@ from torch import nn
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm
 from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end
-from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges
+from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
 from .stage import PipelineStage
@@ -28,7 +28,9 @@ class Pipeline:
     `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
     of -100 ignored), so gradients equal those of one process on the full batch. The first
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
-    After each step, `last_timeline` holds this rank's (action, start, end) compute times in
+    `split` picks which backwards send their input gradient before making their weight gradients
+    ("none", "last", "cooldown"; see `schedules.split_backwards`); by default the simulator
+    chooses with the estimated stage costs. After each step, `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
     """
 
@@ -43,6 +45,7 @@ class Pipeline:
         group=None,
         autocast_dtype: torch.dtype | None = None,
         seed: int = 0,
+        split: str | None = None,
     ):
         self.device = torch.device(device) if device is not None else _default_device()
         self.comm = PipeComm(group, self.device)
@@ -50,10 +53,11 @@ class Pipeline:
         self.stage_idx = self.pp_rank
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
         num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
-        self.num_microbatches, self.schedule = num_microbatches, schedule
+        self.num_microbatches, self.schedule, self.split = num_microbatches, schedule, split
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
             model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
+            split=split,
         )
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
@@ -87,13 +91,15 @@ class Pipeline:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
         num_layers = len(model.model.layers)
+        costs = estimate_costs(model.config)
         if layer_counts is None:
-            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
+            layer_counts = balanced_layer_counts(num_layers, self.pp_size, costs)
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
 
         def build(**kw):
             return build_schedule(self.schedule, self.pp_size, self.num_microbatches,
-                                  prefetch=self.comm.prefetch_receives, **kw)[self.pp_rank]
+                                  prefetch=self.comm.prefetch_receives, stage_costs=stage_costs(layer_counts, costs),
+                                  split=self.split, **kw)[self.pp_rank]
 
         return layer_counts, build(), build(forward_only=True)
 

@@ -105,6 +105,9 @@ def test_generated_schedules_are_valid(name):
             schedule = build_schedule(name, p, m)
             _independent_check(schedule, p, m)
             validate(schedule, p, m)
+            for split in ("none", "last", "cooldown"):  # also replayed with in-order (NCCL) transfers
+                _independent_check(build_schedule(name, p, m, split=split), p, m)
+                _independent_check(build_schedule(name, p, m, split=split, prefetch=False), p, m)
             # without prefetching the receives too
             _independent_check(build_schedule(name, p, m, prefetch=False), p, m)
 
@@ -134,7 +137,7 @@ def test_cooldown_backwards_send_their_gradient_before_weight_gradients():
     for name in ("gpipe", "1f1b"):
         for p in STAGES:
             for m in MICROBATCHES:
-                for rank, actions in enumerate(build_schedule(name, p, m)):
+                for rank, actions in enumerate(build_schedule(name, p, m, split="cooldown")):
                     compute = [a for a in actions if not a.kind.is_comm]
                     last_forward = max(i for i, a in enumerate(compute) if a.kind == Kind.F)
                     for i, a in enumerate(compute):
@@ -148,6 +151,34 @@ def test_cooldown_backwards_send_their_gradient_before_weight_gradients():
                             between = actions[at + 2:actions.index(W(rank, a.mb))]
                             assert all(b.kind == Kind.RECV_B for b in between)  # at most the next one's prefetch
                     assert any(a.kind == Kind.I for a in compute) == (rank > 0)
+
+
+def test_last_split_and_no_split():
+    for name in ("gpipe", "1f1b"):
+        for p in STAGES:
+            for m in MICROBATCHES:
+                assert not any(a.kind in (Kind.I, Kind.W) for acts in build_schedule(name, p, m, split="none") for a in acts)
+                for rank, actions in enumerate(build_schedule(name, p, m, split="last")):
+                    split = [a for a in actions if a.kind in (Kind.I, Kind.W)]
+                    last = [a for a in _compute(actions) if a.kind == Kind.B][-1]
+                    assert split == ([I(rank, last.mb), W(rank, last.mb)] if rank > 0 else [])
+    with pytest.raises(ValueError, match="unknown split 'all'"):
+        build_schedule("1f1b", 2, 4, split="all")
+
+
+def test_the_chosen_split_is_the_fastest_under_its_cost_model():
+    """Recomputed here: forward c, backward 2c, each half of a split backward c * 1.1."""
+    from pipeline_parallel.schedules import SPLITS, makespan, simulate
+
+    for costs in ([1.0] * 4, [5.0, 5.5], [1.0, 1.0, 1.0, 2.5], [2.0, 1.0, 1.0]):
+        p = len(costs)
+        cost = lambda a: costs[a.stage] * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.1, Kind.W: 1.1}[a.kind]
+        for name in ("gpipe", "1f1b"):
+            for m in (1, 2, 4, 8, 16):
+                times = {which: makespan(simulate(build_schedule(name, p, m, split=which), p, cost)) for which in SPLITS}
+                chosen = makespan(simulate(build_schedule(name, p, m, stage_costs=costs), p, cost))
+                assert chosen == pytest.approx(min(times.values())), (costs, name, m, times)
+                assert chosen <= times["none"]
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
@@ -279,7 +310,7 @@ def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
             assert whole == pytest.approx((m + p - 1) * 3.0), (p, m)
             # Sending the last gradient before the weight gradients never costs time when I + W = B,
             # and in 1F1B it saves time whenever there is a pipeline.
-            split = makespan(simulate(build_schedule(name, p, m), p, lambda a: cost[a.kind]))
+            split = makespan(simulate(build_schedule(name, p, m, split="cooldown"), p, lambda a: cost[a.kind]))
             assert split <= whole
             if name == "1f1b" and p > 1:
                 assert split < whole
@@ -295,7 +326,7 @@ def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
     cost = lambda a: {Kind.F: f[a.stage], Kind.B: b[a.stage], Kind.I: i1, Kind.W: w1}[a.kind]
     for m in MICROBATCHES:
         for transfer in (0.0, 0.25):
-            schedule = build_schedule(name, 2, m)
+            schedule = build_schedule(name, 2, m, split="cooldown")
             times = simulate(schedule, 2, cost, transfer=transfer)
             expected = f[0] + transfer + m * (f[1] + b[1]) - w1 + transfer + b[0]
             if name == "gpipe":  # the first stage runs its backwards as gradients arrive, one after another

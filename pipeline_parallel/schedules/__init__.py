@@ -7,16 +7,21 @@ from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import split_cooldown_backwards
+from .split import SPLITS, choose_split, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 
 
 def build_schedule(
-    name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False
+    name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False,
+    stage_costs: list[float] | None = None, split: str | None = None,
 ) -> Schedule:
-    """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards)."""
+    """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards).
+
+    Which backwards are split into I and W is `split` (see `split_backwards`) or, by default, the
+    choice the simulator finds fastest for these relative forward costs per stage (equal if None).
+    """
     key = name.lower()
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
@@ -25,8 +30,10 @@ def build_schedule(
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
+    elif split is not None:
+        compute = split_backwards(compute, split)
     else:
-        compute = split_cooldown_backwards(compute)
+        compute = choose_split(compute, num_stages, stage_costs or [1.0] * num_stages)
     lowered = lower(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)
@@ -34,7 +41,7 @@ def build_schedule(
 
 
 __all__ = [
-    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "gpipe",
-    "lower", "makespan", "one_f_one_b", "simulate", "split_cooldown_backwards", "stage_to_rank", "stages_of_rank",
-    "validate",
+    "Action", "B", "F", "I", "Kind", "SCHEDULES", "SPLITS", "Schedule", "ScheduleError", "W", "build_schedule",
+    "choose_split", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_to_rank",
+    "stages_of_rank", "validate",
 ]
