@@ -30,7 +30,7 @@ from torch import nn
 import pipeline_parallel as pp
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
-from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
+from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from pipeline_parallel.schedules import SCHEDULES, Action, Kind, build_schedule, lower, makespan, simulate
 
 
@@ -119,11 +119,11 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         # Our compute times of each round, all ranks together, per schedule.
         measured = {name: [{a: d for per_rank in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
-        results.put((times, counts, measured))
+        results.put((times, counts, stage_costs(counts, estimate_costs(base.config)), measured))
     dist.destroy_process_group()
 
 
-def floor(name: str, world: int, m: int, measured: dict, whole_b: dict | None = None) -> float:
+def floor(name: str, world: int, m: int, costs: list[float], measured: dict, whole_b: dict | None = None) -> float:
     """The step time a schedule allows with these compute times and free transfers.
 
     Both engines run the same stage modules, so no engine runs this schedule faster. With
@@ -131,7 +131,8 @@ def floor(name: str, world: int, m: int, measured: dict, whole_b: dict | None = 
     cooldown backwards, which is what torch runs.
     """
     if whole_b is None:
-        return makespan(simulate(build_schedule(name, world, m), world, measured.__getitem__))
+        program = build_schedule(name, world, m, stage_costs=costs)  # what Pipeline runs
+        return makespan(simulate(program, world, measured.__getitem__))
     whole = {**measured}
     for a, d in measured.items():
         if a.kind == Kind.I:
@@ -186,7 +187,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    times, counts, measured = results.get()
+    times, counts, costs, measured = results.get()
     for p in procs:
         p.join()
 
@@ -195,10 +196,11 @@ def main() -> None:
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
-    floors = {name: [floor(name, p, m, d) for d in rounds] for name, rounds in measured.items()}
+    floors = {name: [floor(name, p, m, costs, d) for d in rounds] for name, rounds in measured.items()}
     # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
     whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
-    whole = {name: [floor(name, p, m, d, whole_b[r]) for r, d in enumerate(rounds)] for name, rounds in measured.items()}
+    whole = {name: [floor(name, p, m, costs, d, whole_b[r]) for r, d in enumerate(rounds)]
+             for name, rounds in measured.items()}
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
