@@ -119,7 +119,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         # Our compute times of each round, all ranks together, per schedule.
         measured = {name: [{a: d for per_rank in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
-        results.put((times, counts, stage_costs(counts, estimate_costs(base.config)), measured))
+        results.put((times, counts, stage_costs(counts, estimate_costs(base.config, args.seq_len)), measured))
     dist.destroy_process_group()
 
 

@@ -91,17 +91,26 @@ class Pipeline:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
         num_layers = len(model.model.layers)
-        costs = estimate_costs(model.config)
         if layer_counts is None:
-            layer_counts = balanced_layer_counts(num_layers, self.pp_size, costs)
+            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
+        self._programs: dict[int, list] = {}  # training program per sequence length
+        train, evaluate = (self._program(model.config, layer_counts, 2048, forward_only) for forward_only in (False, True))
+        return layer_counts, train, evaluate
 
-        def build(**kw):
-            return build_schedule(self.schedule, self.pp_size, self.num_microbatches,
-                                  prefetch=self.comm.prefetch_receives, stage_costs=stage_costs(layer_counts, costs),
-                                  split=self.split, **kw)[self.pp_rank]
-
-        return layer_counts, build(), build(forward_only=True)
+    def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
+        """This rank's validated action list. The simulator picks which backwards to split with the
+        stage costs at the batch's sequence length (attention grows with it, the head does not)."""
+        if not forward_only and seq_len in self._programs:
+            return self._programs[seq_len]
+        program = build_schedule(
+            self.schedule, self.pp_size, self.num_microbatches, prefetch=self.comm.prefetch_receives,
+            forward_only=forward_only, split=self.split,
+            stage_costs=stage_costs(layer_counts, estimate_costs(config, seq_len)),
+        )[self.pp_rank]
+        if not forward_only:
+            self._programs[seq_len] = program
+        return program
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
@@ -130,6 +139,8 @@ class Pipeline:
         if self.is_last:
             step.labels = labels.to(self.device, torch.long).chunk(m)
             step.loss_scales = [1.0 / info.num_target_tokens] * m
+        if training:  # the same on every rank: they agreed on the sequence length
+            self.program = self._program(self.config, self.layer_counts, info.seq_len)
         program = self.program if training else self._eval_program
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         self.last_timeline = step.timeline
