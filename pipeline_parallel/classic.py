@@ -64,8 +64,9 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
+    costs = stage_costs(layer_counts, estimate_costs(model.config, info.seq_len))  # as Pipeline: this batch's length
     program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives,
-                             stage_costs=stage_costs(layer_counts, estimate_costs(model.config)))[stage_idx]
+                             stage_costs=costs)[stage_idx]
     loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
     return loss.item() if loss is not None else None
 

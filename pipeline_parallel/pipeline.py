@@ -30,8 +30,9 @@ class Pipeline:
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
     `split` picks which backwards send their input gradient before making their weight gradients
     ("none", "last", "cooldown"; see `schedules.split_backwards`); by default the simulator
-    chooses with the estimated stage costs. After each step, `last_timeline` holds this rank's (action, start, end) compute times in
-    `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
+    chooses with the estimated stage costs. After each step, `last_timeline` holds this rank's
+    (action, start, end) compute times in `time.perf_counter()` seconds, for timelines and
+    `schedules.simulate`.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class Pipeline:
             model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
             split=split,
         )
+        self._programs: dict[int, list] = {}  # training program per sequence length
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
             error = None
@@ -94,9 +96,8 @@ class Pipeline:
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
-        self._programs: dict[int, list] = {}  # training program per sequence length
-        train, evaluate = (self._program(model.config, layer_counts, 2048, forward_only) for forward_only in (False, True))
-        return layer_counts, train, evaluate
+        train = self._program(model.config, layer_counts, 2048)
+        return layer_counts, train, self._program(model.config, layer_counts, 2048, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
         """This rank's validated action list. The simulator picks which backwards to split with the

@@ -103,17 +103,17 @@ class _WeightPass:
 
     def __init__(self, out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]):
         self.kept: dict = {}  # node using a parameter -> gradients arriving at it (filled by input_grad)
-        self.groups: list[tuple[set, list[torch.nn.Parameter]]] = []  # nodes and the parameters they reach
+        self.groups: list[tuple[set, list]] = []  # nodes, and the gradient edges of the parameters they reach
         consumers = _consumers(out.grad_fn)
         x_node = torch.autograd.graph.get_gradient_edge(x).node
         on_x_path = _reachable([x_node], consumers)
         if out.grad_fn not in on_x_path:
             return
         for param in params:
-            node = torch.autograd.graph.get_gradient_edge(param).node if param.requires_grad else None
-            if node not in consumers:
+            edge = torch.autograd.graph.get_gradient_edge(param) if param.requires_grad else None
+            if edge is None or edge.node not in consumers:
                 continue  # not used for this output
-            nodes, group = _reachable([node], consumers, stop=on_x_path), [param]
+            nodes, group = _reachable([edge.node], consumers, stop=on_x_path), [edge]
             # Parameters that share a node (a weight and its bias, or one weight used twice) go together.
             for other in [g for g in self.groups if g[0] & nodes]:
                 self.groups.remove(other)
@@ -140,7 +140,7 @@ class _WeightPass:
         return grad_input
 
     def run(self) -> None:
-        for nodes, params in self.groups:
+        for nodes, param_edges in self.groups:
             edges, grads = [], []
             for node in nodes:
                 for index, grad in enumerate(self.kept[node] or ()):
@@ -154,8 +154,7 @@ class _WeightPass:
             clamp = len(nodes) > 1
             handles = [node.register_prehook(lambda _, kept=self.kept[node]: kept) for node in nodes] if clamp else []
             try:  # through the parameters' own accumulators: .grad adds up and their hooks fire as usual
-                torch.autograd.backward(edges, grads, retain_graph=True,
-                                        inputs=[torch.autograd.graph.get_gradient_edge(p) for p in params])
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=param_edges)
             finally:
                 for handle in handles:
                     handle.remove()

@@ -68,7 +68,7 @@ def input_of(action: Action, num_stages: int) -> Action | None:
     if action.kind == Kind.W:
         return None
     source = action.stage - 1 if action.kind == Kind.F else action.stage + 1
-    return Action(Kind.F if action.kind == Kind.F else Kind.B, source, action.mb) if 0 <= source < num_stages else None
+    return result_of(action._replace(stage=source)) if 0 <= source < num_stages else None
 
 
 def stage_to_rank(stage: int, num_ranks: int) -> int:
