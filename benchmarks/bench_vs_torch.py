@@ -127,8 +127,8 @@ def floor(name: str, world: int, m: int, costs: list[float], measured: dict, who
     """The step time a schedule allows with these compute times and free transfers.
 
     Both engines run the same stage modules, so no engine runs this schedule faster. With
-    `whole_b` (a whole backward's time per stage), the same schedule without our split of the
-    cooldown backwards, which is what torch runs.
+    `whole_b` (a whole backward's time per stage), the same schedule without splitting any
+    backward, which is what torch runs.
     """
     if whole_b is None:
         program = build_schedule(name, world, m, stage_costs=costs)  # what Pipeline runs

@@ -28,9 +28,9 @@ class Pipeline:
     `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
     of -100 ignored), so gradients equal those of one process on the full batch. The first
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
-    `split` picks which backwards send their input gradient before making their weight gradients
-    ("none", "last", "cooldown"; see `schedules.split_backwards`); by default the simulator
-    chooses with the estimated stage costs. After each step, `last_timeline` holds this rank's
+    `split` is how many of each rank's last backwards send their input gradient before making
+    their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
+    with the estimated stage costs. After each step, `last_timeline` holds this rank's
     (action, start, end) compute times in `time.perf_counter()` seconds, for timelines and
     `schedules.simulate`.
     """
@@ -46,7 +46,7 @@ class Pipeline:
         group=None,
         autocast_dtype: torch.dtype | None = None,
         seed: int = 0,
-        split: str | None = None,
+        split: int | None = None,
     ):
         self.device = torch.device(device) if device is not None else _default_device()
         self.comm = PipeComm(group, self.device)
@@ -100,7 +100,7 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, 2048, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's validated action list. The simulator picks which backwards to split with the
+        """This rank's validated action list. The simulator picks how many backwards to split with the
         stage costs at the batch's sequence length (attention grows with it, the head does not)."""
         if not forward_only and seq_len in self._programs:
             return self._programs[seq_len]

@@ -62,8 +62,8 @@ PIPELINE_CASES = {
     # construction
     "unknown-schedule": (lambda r, w, g: _pipe(g, schedule="zigzag"), ValueError,
                          r"unknown schedule 'zigzag'.*choose one of \['1f1b', 'afab', 'gpipe'\]"),
-    "unknown-split": (lambda r, w, g: _pipe(g, split="all"), ValueError,
-                      r"unknown split 'all'; choose one of \('none', 'last', 'cooldown'\)"),
+    "bad-split": (lambda r, w, g: _pipe(g, split="all"), ValueError,
+                  r"split must be a whole number >= 0 \(how many of each rank's last backwards .*got 'all'"),
     "microbatches-zero": (lambda r, w, g: _pipe(g, num_microbatches=0), ValueError,
                           r"num_microbatches must be an integer >= 1, got 0"),
     "microbatches-negative": (lambda r, w, g: _pipe(g, num_microbatches=-1), ValueError,

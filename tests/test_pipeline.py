@@ -42,7 +42,7 @@ class Case:
     meta: bool = False
     vocab: int = 64
     only_owners: bool = False  # ranks other than first/last pass None for input_ids/labels
-    split: str | None = None  # which backwards run as I then W (None: the simulator's choice)
+    split: int | None = None  # how many of each rank's last backwards run as I then W (None: the simulator's choice)
     extra: dict = field(default_factory=dict)
 
     def __repr__(self):
@@ -74,17 +74,17 @@ CASES = {
         Case("w2-own-1f1b-m4", kind="own", m=4, batch=8),
         Case("w2-own-meta-gpipe-m2", kind="own", meta=True, schedule="gpipe"),
         Case("w2-own-meta-tied-1f1b-m3", kind="own", meta=True, tie=True, m=3, batch=6),
-        Case("w2-gpipe-m3-split-cooldown", schedule="gpipe", m=3, batch=6, split="cooldown"),
-        Case("w2-qwen2-tied-1f1b-m4-split-cooldown", kind="qwen2", m=4, batch=8, tie=True, split="cooldown"),
-        Case("w2-1f1b-m3-no-split", m=3, batch=6, split="none"),
+        Case("w2-gpipe-m3-split-all", schedule="gpipe", m=3, batch=6, split=3),
+        Case("w2-qwen2-tied-1f1b-m4-split-3", kind="qwen2", m=4, batch=8, tie=True, split=3),
+        Case("w2-1f1b-m3-no-split", m=3, batch=6, split=0),
     ],
     4: [
         Case("w4-gpipe-m4", schedule="gpipe", m=4, layers=8),
         Case("w4-1f1b-m4", m=4, layers=4, only_owners=True),
         Case("w4-gpipe-m6", schedule="gpipe", m=6, batch=6, layers=8),
         Case("w4-1f1b-m6", m=6, batch=12, layers=8, seq2=3),
-        Case("w4-gpipe-m5-split-cooldown", schedule="gpipe", m=5, batch=10, layers=6, split="cooldown"),
-        Case("w4-1f1b-m4-split-last", m=4, layers=4, split="last"),
+        Case("w4-gpipe-m5-split-2", schedule="gpipe", m=5, batch=10, layers=6, split=2),
+        Case("w4-1f1b-m4-split-all", m=4, layers=4, split=4),
         Case("w4-uneven-1-2-2-1-1f1b", m=4, layers=6, layer_counts=(1, 2, 2, 1)),
         Case("w4-uneven-1-2-2-1-gpipe", schedule="gpipe", m=6, batch=6, layers=6, layer_counts=(1, 2, 2, 1)),
         Case("w4-tied-1f1b-m4", m=4, tie=True, layers=4),

@@ -105,7 +105,7 @@ def test_generated_schedules_are_valid(name):
             schedule = build_schedule(name, p, m)
             _independent_check(schedule, p, m)
             validate(schedule, p, m)
-            for split in ("none", "last", "cooldown"):  # also replayed with in-order (NCCL) transfers
+            for split in sorted({0, 1, 3, m}):  # also replayed with in-order (NCCL) transfers
                 _independent_check(build_schedule(name, p, m, split=split), p, m)
                 _independent_check(build_schedule(name, p, m, split=split, prefetch=False), p, m)
             # without prefetching the receives too
@@ -133,52 +133,79 @@ def test_peak_in_flight_microbatches():
                 assert _peak_in_flight(gp[rank]) == m
 
 
-def test_cooldown_backwards_send_their_gradient_before_weight_gradients():
+def _cost(costs, split_cost=1.1):
+    """Forward c, backward 2c, each half of a split backward c * split_cost, per stage."""
+    return lambda a: costs[a.stage] * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: split_cost, Kind.W: split_cost}[a.kind]
+
+
+def test_split_backwards_are_each_ranks_last_and_send_their_gradient_first():
     for name in ("gpipe", "1f1b"):
         for p in STAGES:
             for m in MICROBATCHES:
-                for rank, actions in enumerate(build_schedule(name, p, m, split="cooldown")):
-                    compute = [a for a in actions if not a.kind.is_comm]
-                    last_forward = max(i for i, a in enumerate(compute) if a.kind == Kind.F)
-                    for i, a in enumerate(compute):
-                        cooldown = i > last_forward and rank > 0  # the first stage has no input gradient
-                        if a.kind == Kind.B:
-                            assert not cooldown, (name, p, m, a)
-                        if a.kind == Kind.I:
-                            assert cooldown and compute[i + 1] == W(a.stage, a.mb), (name, p, m, a)
+                whole = build_schedule(name, p, m, split=0)
+                assert not any(a.kind in (Kind.I, Kind.W) for acts in whole for a in acts)
+                for k in range(m + 1):
+                    for rank, actions in enumerate(build_schedule(name, p, m, split=k)):
+                        compute = [a for a in actions if not a.kind.is_comm]
+                        backwards = [a for a in _compute(actions) if a.kind == Kind.B]
+                        inputs = [a for a in compute if a.kind == Kind.I]
+                        expected = backwards[m - k:] if rank > 0 else []  # the first stage has no input gradient
+                        assert [B(a.stage, a.mb) for a in inputs] == expected, (name, p, m, k, rank)
+                        for a in inputs:
                             at = actions.index(a)  # the gradient leaves before the weight gradients are made
-                            assert actions[at + 1] == Action(Kind.SEND_B, rank, a.mb)
-                            between = actions[at + 2:actions.index(W(rank, a.mb))]
-                            assert all(b.kind == Kind.RECV_B for b in between)  # at most the next one's prefetch
-                    assert any(a.kind == Kind.I for a in compute) == (rank > 0)
+                            assert rank == 0 or actions[at + 1] == Action(Kind.SEND_B, rank, a.mb)
+                            assert actions.index(W(rank, a.mb)) > at
+                        assert sum(a.kind == Kind.W for a in compute) == len(inputs)
+                        # Deferred weight passes never hold more microbatches than the schedule does.
+                        assert _peak_in_flight(actions) == _peak_in_flight(whole[rank]), (name, p, m, k, rank)
+    for bad in ("all", -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"split must be a whole number >= 0 .* or None"):
+            build_schedule("1f1b", 2, 4, split=bad)
 
 
-def test_last_split_and_no_split():
-    for name in ("gpipe", "1f1b"):
-        for p in STAGES:
-            for m in MICROBATCHES:
-                assert not any(a.kind in (Kind.I, Kind.W) for acts in build_schedule(name, p, m, split="none") for a in acts)
-                for rank, actions in enumerate(build_schedule(name, p, m, split="last")):
-                    split = [a for a in actions if a.kind in (Kind.I, Kind.W)]
-                    last = [a for a in _compute(actions) if a.kind == Kind.B][-1]
-                    assert split == ([I(rank, last.mb), W(rank, last.mb)] if rank > 0 else [])
-    with pytest.raises(ValueError, match="unknown split 'all'"):
-        build_schedule("1f1b", 2, 4, split="all")
+def test_weight_passes_fill_the_waits():
+    """Replayed with the costs they were placed with, no rank idles while a W it could run waits."""
+    from pipeline_parallel.schedules import simulate
+
+    for costs in ([1.0] * 3, [1.0, 1.0, 3.0], [2.0, 1.0, 1.0, 1.5]):
+        p = len(costs)
+        for name in ("gpipe", "1f1b"):
+            for m in (2, 5, 8):
+                for k in (1, 2, m):
+                    schedule = build_schedule(name, p, m, split=k, stage_costs=costs)
+                    times = simulate(schedule, p, _cost(costs))
+                    for rank, actions in enumerate(schedule):
+                        compute = [a for a in actions if not a.kind.is_comm]
+                        whole_peak = _peak_in_flight(build_schedule(name, p, m, split=0)[rank])
+                        for i, (before, after) in enumerate(zip(compute, compute[1:])):
+                            if times[after][0] - times[before][1] < 1e-9:
+                                continue  # no wait here
+                            later = [a for a in compute[i + 2:] if a.kind == Kind.W]
+                            runnable = [w for w in later if times[I(w.stage, w.mb)][1] <= times[before][1]]
+                            # A W may stay behind only for a forward that would exceed the memory bound.
+                            held = sum(a.kind == Kind.F for a in compute[:i + 1]) - sum(
+                                a.kind in (Kind.B, Kind.W) for a in compute[:i + 1])
+                            assert not runnable or (after.kind == Kind.F and held >= whole_peak), \
+                                (costs, name, m, k, rank, before, after, runnable)
 
 
 def test_the_chosen_split_is_the_fastest_under_its_cost_model():
-    """Recomputed here: forward c, backward 2c, each half of a split backward c * 1.1."""
-    from pipeline_parallel.schedules import SPLITS, makespan, simulate
+    """Every number of split backwards, tried here: the default is the fastest, ties to the fewest."""
+    from pipeline_parallel.schedules import makespan, simulate
 
     for costs in ([1.0] * 4, [5.0, 5.5], [1.0, 1.0, 1.0, 2.5], [2.0, 1.0, 1.0]):
         p = len(costs)
-        cost = lambda a: costs[a.stage] * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.1, Kind.W: 1.1}[a.kind]
         for name in ("gpipe", "1f1b"):
             for m in (1, 2, 4, 8, 16):
-                times = {which: makespan(simulate(build_schedule(name, p, m, split=which), p, cost)) for which in SPLITS}
-                chosen = makespan(simulate(build_schedule(name, p, m, stage_costs=costs), p, cost))
-                assert chosen == pytest.approx(min(times.values())), (costs, name, m, times)
-                assert chosen <= times["none"]
+                times = [makespan(simulate(build_schedule(name, p, m, split=k, stage_costs=costs), p, _cost(costs)))
+                         for k in range(m + 1)]
+                chosen = build_schedule(name, p, m, stage_costs=costs)
+                assert makespan(simulate(chosen, p, _cost(costs))) == pytest.approx(min(times)), (costs, name, m)
+                fewest = times.index(min(times))
+                assert chosen == build_schedule(name, p, m, split=fewest, stage_costs=costs)
+    # At two stages with a heavier last one, both schedules gain from splitting (GPipe several).
+    assert build_schedule("gpipe", 2, 8, stage_costs=[5.0, 5.5]) == build_schedule("gpipe", 2, 8, split=5, stage_costs=[5.0, 5.5])
+    assert build_schedule("1f1b", 2, 8, stage_costs=[5.0, 5.5]) == build_schedule("1f1b", 2, 8, split=1, stage_costs=[5.0, 5.5])
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
@@ -307,7 +334,7 @@ def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
             assert whole == pytest.approx((m + p - 1) * 3.0), (p, m)
             # Sending the last gradient before the weight gradients never costs time when I + W = B,
             # and in 1F1B it saves time whenever there is a pipeline.
-            split = makespan(simulate(build_schedule(name, p, m, split="cooldown"), p, lambda a: cost[a.kind]))
+            split = makespan(simulate(build_schedule(name, p, m, split=1), p, lambda a: cost[a.kind]))
             assert split <= whole
             if name == "1f1b" and p > 1:
                 assert split < whole
@@ -315,20 +342,22 @@ def test_simulated_step_time_of_balanced_stages_is_the_bubble_bound(name):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
-    """Two stages, the last one slower: it works without pause once its first input arrives,
-    and hands each gradient of its cooldown on one weight-gradient pass (w1) early."""
+    """Two stages, the last one slower: it works without pause once its first input arrives.
+    1F1B splits its last backward, whose W overlaps the first stage's last backward; GPipe splits
+    all, so the last stage sends every gradient first and makes the weight gradients after."""
     from pipeline_parallel.schedules import makespan, simulate
 
     f, b, i1, w1 = {0: 1.0, 1: 1.5}, {0: 2.0, 1: 3.0}, 1.75, 1.25
     cost = lambda a: {Kind.F: f[a.stage], Kind.B: b[a.stage], Kind.I: i1, Kind.W: w1}[a.kind]
     for m in MICROBATCHES:
         for transfer in (0.0, 0.25):
-            schedule = build_schedule(name, 2, m, split="cooldown")
+            schedule = build_schedule(name, 2, m, split=1 if name == "1f1b" else m, stage_costs=[1.0, 1.5])
             times = simulate(schedule, 2, cost, transfer=transfer)
-            expected = f[0] + transfer + m * (f[1] + b[1]) - w1 + transfer + b[0]
+            last_stage_done = f[0] + transfer + m * (f[1] + b[1])
+            expected = last_stage_done - w1 + transfer + b[0]
             if name == "gpipe":  # the first stage runs its backwards as gradients arrive, one after another
-                arrival = [f[0] + 2 * transfer + m * f[1] + k * b[1] + i1 for k in range(m)]  # all split: I first
-                expected = max(arrival[k] + (m - k) * b[0] for k in range(m))
+                arrival = [f[0] + 2 * transfer + m * f[1] + (k + 1) * i1 for k in range(m)]
+                expected = max([last_stage_done] + [arrival[k] + (m - k) * b[0] for k in range(m)])
             assert makespan(times) == pytest.approx(expected), (m, transfer)
             for rank in range(2):  # a rank runs one action at a time, in its list order
                 spans = [times[a] for a in schedule[rank] if not a.kind.is_comm]

@@ -7,7 +7,7 @@ from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import SPLITS, choose_split, split_backwards
+from .split import choose_split, estimated_duration, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -15,12 +15,13 @@ SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 
 def build_schedule(
     name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False,
-    stage_costs: list[float] | None = None, split: str | None = None,
+    stage_costs: list[float] | None = None, split: int | None = None,
 ) -> Schedule:
     """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards).
 
-    Which backwards are split into I and W is `split` (see `split_backwards`) or, by default, the
-    choice the simulator finds fastest for these relative forward costs per stage (equal if None).
+    How many of each rank's last backwards are split into I and W is `split` (see
+    `split_backwards`) or, by default, the number the simulator finds fastest for these relative
+    forward costs per stage (equal if None); the costs also decide where each W goes.
     """
     key = name.lower()
     if key not in SCHEDULES:
@@ -31,7 +32,7 @@ def build_schedule(
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     elif split is not None:
-        compute = split_backwards(compute, split)
+        compute = split_backwards(compute, num_stages, split, estimated_duration(stage_costs or [1.0] * num_stages))
     else:
         compute = choose_split(compute, num_stages, stage_costs or [1.0] * num_stages)
     lowered = lower(compute, num_stages, prefetch=prefetch)
@@ -41,7 +42,7 @@ def build_schedule(
 
 
 __all__ = [
-    "Action", "B", "F", "I", "Kind", "SCHEDULES", "SPLITS", "Schedule", "ScheduleError", "W", "build_schedule",
-    "choose_split", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_to_rank",
+    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule",
+    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_to_rank",
     "stages_of_rank", "validate",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .actions import Action, Schedule, input_of, result_of, stage_to_rank
+from .actions import Action, Kind, Schedule, W, input_of, result_of, stage_to_rank
 from .validate import ScheduleError
+
+_HELD = {Kind.F: 1, Kind.B: -1, Kind.W: -1}  # microbatches whose activations a rank holds
 
 
 def simulate(
@@ -15,39 +17,77 @@ def simulate(
 
     An action starts once its rank is free and its input exists: the previous stage's forward
     for F, the next stage's input gradient for B and I, plus `transfer` when that stage is on
-    another rank (a W follows its I on the same rank).
-    Comm actions of a lowered list are skipped (transfers cost `transfer`). The largest end
-    time is the step time this schedule allows with these compute times: with times measured in
-    a real run and `transfer=0`, no engine can run the schedule faster.
+    another rank. Comm actions of a lowered list are skipped (transfers cost `transfer`). The
+    largest end time is the step time this schedule allows with these compute times: with times
+    measured in a real run and `transfer=0`, no engine can run the schedule faster.
+
+    An I whose W is not in the list has its W placed here, the way `split_backwards` places it:
+    when the rank would otherwise wait for an input, before a forward that would make the rank
+    hold more microbatches than the list ever does, or at the end. The result is in execution
+    order on each rank, so it also says where each W went.
     """
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
+    listed = {a for program in programs for a in program if a.kind == Kind.W}
+    limits = [_peak_held(program, listed) for program in programs]
     times: dict[Action, tuple[float, float]] = {}
     results: dict[Action, float] = {}  # when each result (see `result_of`) was made
-    clocks, pcs = [0.0] * num_ranks, [0] * num_ranks
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, program in enumerate(programs):
-            while pcs[rank] < len(program):
-                action = program[pcs[rank]]
-                source = input_of(action, num_stages)
-                if source is not None and source not in results:
-                    break
-                ready = 0.0
-                if source is not None:
-                    remote = stage_to_rank(source.stage, num_ranks) != rank
-                    ready = results[source] + (transfer if remote else 0.0)
-                start = max(clocks[rank], ready)
-                clocks[rank] = start + duration(action)
-                times[action] = (start, clocks[rank])
-                results[result_of(action)] = clocks[rank]
-                pcs[rank] += 1
-                progressed = True
-    stuck = [f"rank {r} at {p[pc]!r}" for r, (pc, p) in enumerate(zip(pcs, programs)) if pc < len(p)]
-    if stuck:
-        raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
-    return times
+    clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
+    unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
+    blocked: set[int] = set()  # ranks waiting for an input no action has made yet
+
+    def ready_time(rank: int, action: Action) -> float | None:
+        source = input_of(action, num_stages)
+        if source is None:
+            return 0.0
+        if source not in results:
+            return None
+        remote = stage_to_rank(source.stage, num_ranks) != rank
+        return results[source] + (transfer if remote else 0.0)
+
+    def run(rank: int, action: Action, start: float) -> None:
+        clocks[rank] = start + duration(action)
+        times[action] = (start, clocks[rank])
+        if result_of(action) is not None:
+            results[result_of(action)] = clocks[rank]
+        held[rank] += _HELD.get(action.kind, 0)
+        if action.kind == Kind.I and W(action.stage, action.mb) not in listed:
+            unplaced[rank].append(W(action.stage, action.mb))
+        blocked.clear()
+
+    while True:
+        live = [r for r in range(num_ranks) if pcs[r] < len(programs[r]) or unplaced[r]]
+        if not live:
+            return times
+        waiting = [r for r in live if r not in blocked]
+        if not waiting:
+            stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in live]
+            raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
+        rank = min(waiting, key=clocks.__getitem__)  # the earliest free rank moves next
+        now = clocks[rank]
+        action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
+        ready = None if action is None else ready_time(rank, action)
+        over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
+        if unplaced[rank] and (ready is None or ready > now or over_limit):
+            run(rank, unplaced[rank].pop(0), now)
+        elif ready is not None:
+            run(rank, action, max(now, ready))
+            pcs[rank] += 1
+        else:  # idle until another rank has moved on, or until one can
+            later = [clocks[r] for r in live if clocks[r] > now]
+            if later:
+                clocks[rank] = min(later)
+            else:
+                blocked.add(rank)
+
+
+def _peak_held(program: list[Action], listed: set[Action]) -> int:
+    """The most microbatches a rank's list holds at once, counting an I without a listed W as a B."""
+    held = peak = 0
+    for a in program:
+        held += -1 if a.kind == Kind.I and W(a.stage, a.mb) not in listed else _HELD.get(a.kind, 0)
+        peak = max(peak, held)
+    return peak
 
 
 def makespan(times: dict[Action, tuple[float, float]]) -> float:

@@ -2,51 +2,61 @@
 
 from __future__ import annotations
 
-from .actions import I, Kind, Schedule, W
+from typing import Callable
+
+from .actions import Action, I, Kind, Schedule, stage_to_rank
 from .simulate import makespan, simulate
 
-SPLITS = ("none", "last", "cooldown")
 SPLIT_OVERHEAD = 0.1  # a split backward's extra cost, as a share of the whole one (graph walk, two passes)
 
 
-def split_backwards(schedule: Schedule, which: str) -> Schedule:
-    """Turn chosen B actions into I then W (never on the first stage, which has no input gradient).
+def split_backwards(schedule: Schedule, num_stages: int, num_split: int, duration: Callable[[Action], float]) -> Schedule:
+    """Turn each rank's last `num_split` backwards into I, and place their W's by simulation.
 
-    `which`: "none"; "last", each rank's last backward, which ends the step; or "cooldown",
-    every backward after the rank's last forward, where the earlier stages only wait for
-    gradients. A split backward hands its input gradient on as soon as it is computed and
-    makes its weight gradients while the earlier stages work, at the cost of a graph walk.
+    An I computes only the input gradient, so the earlier stage gets it a weight-gradient pass
+    sooner; its W then fills a time the rank would spend waiting for an input (at the estimated
+    `duration`s), or runs before a forward that would make the rank hold more microbatches than
+    the schedule ever does, or at the end. The first stage has no input gradient and is not split.
     """
-    if which not in SPLITS:
-        raise ValueError(f"unknown split {which!r}; choose one of {SPLITS}")
-    result = []
+    if isinstance(num_split, bool) or not isinstance(num_split, int) or num_split < 0:
+        raise ValueError(f"split must be a whole number >= 0 (how many of each rank's last backwards run as "
+                         f"input-gradient then weight-gradient passes), or None to let the simulator choose; "
+                         f"got {num_split!r}")
+    return _placed(schedule, num_stages, num_split, duration)[0]
+
+
+def _placed(schedule: Schedule, num_stages: int, num_split: int, duration) -> tuple[Schedule, float]:
+    """`split_backwards`, and the step time the simulator found for it."""
+    body = []  # each rank's last `num_split` backwards as I, their W's left to the simulator
     for actions in schedule:
         backwards = [i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0]
-        last_forward = max((i for i, a in enumerate(actions) if a.kind == Kind.F), default=-1)
-        chosen = {"none": set(), "last": set(backwards[-1:]),
-                  "cooldown": {i for i in backwards if i > last_forward}}[which]
-        split = []
-        for i, a in enumerate(actions):
-            split += [I(a.stage, a.mb), W(a.stage, a.mb)] if i in chosen else [a]
-        result.append(split)
-    return result
+        chosen = set(backwards[len(backwards) - num_split:]) if num_split else set()
+        body.append([I(a.stage, a.mb) if i in chosen else a for i, a in enumerate(actions)])
+    times = simulate(body, num_stages, duration)
+    result: Schedule = [[] for _ in body]
+    for action in times:  # in execution order on each rank, W's included
+        result[stage_to_rank(action.stage, len(body))].append(action)
+    return result, makespan(times)
+
+
+def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
+    """The cost model the split is chosen with: a stage's forward costs `stage_costs[stage]`, its
+    backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2."""
+    share = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 + SPLIT_OVERHEAD, Kind.W: 1.0 + SPLIT_OVERHEAD}
+    return lambda action: stage_costs[action.stage] * share[action.kind]
 
 
 def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:
-    """The split (see `split_backwards`) under which the simulator finds the shortest step.
+    """The `split_backwards` under which the simulator finds the shortest step with these costs.
 
-    A stage's forward costs `stage_costs[stage]`, its backward twice that, and each half of a
-    split backward half of that plus SPLIT_OVERHEAD / 2. A split is kept only if it is strictly
-    faster than the one with fewer split backwards before it.
+    Tries every number of split backwards per rank, from none up; a larger one is kept only if it
+    is strictly faster.
     """
-    def cost(action) -> float:
-        forward = stage_costs[action.stage]
-        return {Kind.F: forward, Kind.B: 2 * forward}.get(action.kind, forward * (1 + SPLIT_OVERHEAD))
-
-    best, best_time = schedule, makespan(simulate(schedule, num_stages, cost))
-    for which in SPLITS[1:]:
-        candidate = split_backwards(schedule, which)
-        time = makespan(simulate(candidate, num_stages, cost))
+    duration = estimated_duration(stage_costs)
+    best, best_time = _placed(schedule, num_stages, 0, duration)
+    most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
+    for num_split in range(1, most + 1):
+        candidate, time = _placed(schedule, num_stages, num_split, duration)
         if time < best_time - 1e-9 * best_time:
             best, best_time = candidate, time
     return best
