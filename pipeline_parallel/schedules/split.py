@@ -49,13 +49,16 @@ def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
 def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:
     """The `split_backwards` under which the simulator finds the shortest step with these costs.
 
-    Tries every number of split backwards per rank, from none up; a larger one is kept only if it
-    is strictly faster.
+    Tries every number of split backwards per rank from none up to 4 * num_stages, then 16 more
+    evenly spaced up to all of them (a search that stays quick with hundreds of microbatches);
+    a larger number is kept only if it is strictly faster.
     """
     duration = estimated_duration(stage_costs)
     best, best_time = _placed(schedule, num_stages, 0, duration)
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
-    for num_split in range(1, most + 1):
+    dense = min(most, 4 * num_stages)
+    step = max(1, -(-(most - dense) // 16))
+    for num_split in sorted({*range(1, dense + 1), *range(dense + step, most + 1, step), most}):
         candidate, time = _placed(schedule, num_stages, num_split, duration)
         if time < best_time - 1e-9 * best_time:
             best, best_time = candidate, time
