@@ -88,10 +88,9 @@ class Pipeline:
         self.last_timeline: list = []
 
     def _plan(self, model: nn.Module, layer_counts):
-        """Layers per stage and this rank's train and eval programs; raises on bad arguments."""
+        """Layers per stage and this rank's train and eval programs; raises on bad arguments
+        (`build_schedule` checks the schedule, microbatch count and split)."""
         check_layout(model)
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}")
         num_layers = len(model.model.layers)
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))

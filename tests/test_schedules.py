@@ -20,13 +20,18 @@ def _compute(actions):
     return [B(a.stage, a.mb) if a.kind == Kind.I else a for a in actions if a.kind in (Kind.F, Kind.B, Kind.I)]
 
 
-def _peak_in_flight(actions):
-    live = peak = 0
+def _in_flight(actions):
+    """Microbatches a rank holds after each of its actions."""
+    live, counts = 0, []
     for a in actions:
         live += a.kind == Kind.F
         live -= a.kind in (Kind.B, Kind.W)  # a split backward holds its activations until W
-        peak = max(peak, live)
-    return peak
+        counts.append(live)
+    return counts
+
+
+def _peak_in_flight(actions):
+    return max(_in_flight(actions), default=0)
 
 
 def _message(a):
@@ -133,9 +138,9 @@ def test_peak_in_flight_microbatches():
                 assert _peak_in_flight(gp[rank]) == m
 
 
-def _cost(costs, split_cost=1.1):
-    """Forward c, backward 2c, each half of a split backward c * split_cost, per stage."""
-    return lambda a: costs[a.stage] * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: split_cost, Kind.W: split_cost}[a.kind]
+def _cost(costs):
+    """Forward c, backward 2c, each half of a split backward c * 1.1, per stage."""
+    return lambda a: costs[a.stage] * {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.1, Kind.W: 1.1}[a.kind]
 
 
 def test_split_backwards_are_each_ranks_last_and_send_their_gradient_first():
@@ -177,15 +182,14 @@ def test_weight_passes_fill_the_waits():
                     for rank, actions in enumerate(schedule):
                         compute = [a for a in actions if not a.kind.is_comm]
                         whole_peak = _peak_in_flight(build_schedule(name, p, m, split=0)[rank])
+                        held = _in_flight(compute)
                         for i, (before, after) in enumerate(zip(compute, compute[1:])):
                             if times[after][0] - times[before][1] < 1e-9:
                                 continue  # no wait here
                             later = [a for a in compute[i + 2:] if a.kind == Kind.W]
                             runnable = [w for w in later if times[I(w.stage, w.mb)][1] <= times[before][1]]
                             # A W may stay behind only for a forward that would exceed the memory bound.
-                            held = sum(a.kind == Kind.F for a in compute[:i + 1]) - sum(
-                                a.kind in (Kind.B, Kind.W) for a in compute[:i + 1])
-                            assert not runnable or (after.kind == Kind.F and held >= whole_peak), \
+                            assert not runnable or (after.kind == Kind.F and held[i] >= whole_peak), \
                                 (costs, name, m, k, rank, before, after, runnable)
 
 
