@@ -13,6 +13,7 @@ STAGES = range(1, 7)
 MICROBATCHES = range(1, 10)
 SEND = {Kind.SEND_F, Kind.SEND_B}
 RECV = {Kind.RECV_F, Kind.RECV_B}
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def _compute(actions):
@@ -176,7 +177,7 @@ def test_weight_passes_fill_the_waits():
         p = len(costs)
         for name in ("gpipe", "1f1b"):
             for m in (2, 5, 8):
-                for k in (1, 2, m):
+                for k in (1, 2, m, None):  # None: the chosen split, which may split where a rank waits
                     schedule = build_schedule(name, p, m, split=k, stage_costs=costs)
                     times = simulate(schedule, p, _cost(costs))
                     for rank, actions in enumerate(schedule):
@@ -194,7 +195,7 @@ def test_weight_passes_fill_the_waits():
 
 
 def test_the_chosen_split_is_the_fastest_under_its_cost_model():
-    """Every number of split backwards, tried here: the default is the fastest, ties to the fewest."""
+    """Every number of split backwards, and splitting where a rank waits: the default is the fastest."""
     from pipeline_parallel.schedules import makespan, simulate
 
     for costs in ([1.0] * 4, [5.0, 5.5], [1.0, 1.0, 1.0, 2.5], [2.0, 1.0, 1.0]):
@@ -203,13 +204,36 @@ def test_the_chosen_split_is_the_fastest_under_its_cost_model():
             for m in (1, 2, 4, 8, 16):
                 times = [makespan(simulate(build_schedule(name, p, m, split=k, stage_costs=costs), p, _cost(costs)))
                          for k in range(m + 1)]
+                whole = lower(GENERATORS[name](p, m), p)
+                waited = makespan(simulate(whole, p, _cost(costs), split_waited=True))
                 chosen = build_schedule(name, p, m, stage_costs=costs)
-                assert makespan(simulate(chosen, p, _cost(costs))) == pytest.approx(min(times)), (costs, name, m)
+                best = min(times + [waited])
+                assert makespan(simulate(chosen, p, _cost(costs))) == pytest.approx(best), (costs, name, m)
                 fewest = times.index(min(times))
-                assert chosen == build_schedule(name, p, m, split=fewest, stage_costs=costs)
-    # At two stages with a heavier last one, both schedules gain from splitting (GPipe several).
-    assert build_schedule("gpipe", 2, 8, stage_costs=[5.0, 5.5]) == build_schedule("gpipe", 2, 8, split=5, stage_costs=[5.0, 5.5])
+                if min(times) <= best * (1 + 1e-9):  # ties go to the last k, the fewest of them
+                    assert chosen == build_schedule(name, p, m, split=fewest, stage_costs=costs)
+    # At two stages with a heavier last one, 1F1B splits its last backward; GPipe splits where the
+    # first stage would wait, which beats every last k.
     assert build_schedule("1f1b", 2, 8, stage_costs=[5.0, 5.5]) == build_schedule("1f1b", 2, 8, split=1, stage_costs=[5.0, 5.5])
+    gpipe_times = [makespan(simulate(build_schedule("gpipe", 2, 8, split=k, stage_costs=[5.0, 5.5]), 2, _cost([5.0, 5.5])))
+                   for k in range(9)]
+    chosen = build_schedule("gpipe", 2, 8, stage_costs=[5.0, 5.5])
+    assert makespan(simulate(chosen, 2, _cost([5.0, 5.5]))) < min(gpipe_times) * 0.99
+
+
+def test_split_where_waited_gives_the_first_stage_its_first_gradient_sooner():
+    """GPipe on two stages whose first has the slower backward: the first stage idles until its first
+    gradient and is busy from then on, so only the last stage's first backward is split."""
+    from pipeline_parallel.schedules import makespan, simulate
+
+    f, b, i1, w1 = {0: 1.0, 1: 1.0}, {0: 2.2, 1: 2.0}, 1.1, 1.0
+    cost = lambda a: {Kind.F: f[a.stage], Kind.B: b[a.stage], Kind.I: i1, Kind.W: w1}[a.kind]
+    for m in MICROBATCHES:
+        times = simulate(lower(gpipe(2, m), 2), 2, cost, split_waited=True)
+        assert [a for a in times if a.kind in (Kind.I, Kind.W)] == [I(1, m - 1), W(1, m - 1)], m
+        assert makespan(times) == pytest.approx(f[0] + m * f[1] + i1 + m * b[0]), m
+        unsplit = makespan(simulate(lower(gpipe(2, m), 2), 2, cost))
+        assert makespan(times) == pytest.approx(unsplit - (b[1] - i1)), m
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
@@ -322,9 +346,6 @@ def test_no_process_group_needed():
 
 
 # --- simulate: step time of a schedule from compute times, checked against closed forms ---
-
-
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

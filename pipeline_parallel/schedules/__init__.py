@@ -19,9 +19,9 @@ def build_schedule(
 ) -> Schedule:
     """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards).
 
-    How many of each rank's last backwards are split into I and W is `split` (see
-    `split_backwards`) or, by default, the number the simulator finds fastest for these relative
-    forward costs per stage (equal if None); the costs also decide where each W goes.
+    Each rank's last `split` backwards are split into I and W (see `split_backwards`) or, by
+    default, whichever split the simulator finds fastest for these relative forward costs per
+    stage (equal if None; see `choose_split`); the costs also decide where each W goes.
     """
     key = name.lower()
     if key not in SCHEDULES:

@@ -11,7 +11,8 @@ _HELD = {Kind.F: 1, Kind.B: -1, Kind.W: -1}  # microbatches whose activations a 
 
 
 def simulate(
-    schedule: Schedule, num_stages: int, duration: Callable[[Action], float], transfer: float = 0.0
+    schedule: Schedule, num_stages: int, duration: Callable[[Action], float], transfer: float = 0.0,
+    split_waited: bool = False,
 ) -> dict[Action, tuple[float, float]]:
     """Start and end time of every compute action when each rank runs its list in order.
 
@@ -25,6 +26,10 @@ def simulate(
     when the rank would otherwise wait for an input, before a forward that would make the rank
     hold more microbatches than the list ever does, or at the end. The result is in execution
     order on each rank, so it also says where each W went.
+
+    With `split_waited`, a B whose input gradient another rank would otherwise wait for runs as
+    I (its W placed as above): the gradient is handed on a weight pass sooner exactly where that
+    shortens someone's wait.
     """
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
@@ -35,6 +40,24 @@ def simulate(
     clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
     blocked: set[int] = set()  # ranks waiting for an input no action has made yet
+    position = {a: i for program in programs for i, a in enumerate(program)}
+    busy = [[0.0] for _ in programs]  # busy[r][i]: compute time of rank r's first i listed actions
+    for r, program in enumerate(programs):
+        for a in program:
+            busy[r].append(busy[r][-1] + duration(a))
+
+    def waited(rank: int, action: Action, start: float) -> bool:
+        """Whether the rank that needs this B's input gradient would be idle when a whole B made it."""
+        if action.kind != Kind.B or action.stage == 0:
+            return False
+        consumer = stage_to_rank(action.stage - 1, num_ranks)
+        if consumer == rank:
+            return False
+        needed_by = position.get(action._replace(stage=action.stage - 1))
+        if needed_by is None:
+            needed_by = position[Action(Kind.I, action.stage - 1, action.mb)]
+        needed_at = clocks[consumer] + busy[consumer][needed_by] - busy[consumer][pcs[consumer]]
+        return needed_at < start + duration(action)
 
     def ready_time(rank: int, action: Action) -> float | None:
         source = input_of(action, num_stages)
@@ -71,7 +94,10 @@ def simulate(
         if unplaced[rank] and (ready is None or ready > now or over_limit):
             run(rank, unplaced[rank].pop(0), now)
         elif ready is not None:
-            run(rank, action, max(now, ready))
+            start = max(now, ready)
+            if split_waited and waited(rank, action, start):
+                action = Action(Kind.I, action.stage, action.mb)
+            run(rank, action, start)
             pcs[rank] += 1
         else:  # idle until another rank has moved on, or until one can
             later = [clocks[r] for r in live if clocks[r] > now]
