@@ -1,6 +1,6 @@
 """Step time of our GPipe and 1F1B against torch.distributed.pipelining on the same stages and data.
 
-    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 8] [--steps 2]
+    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 16] [--steps 1]
 
 CPU, gloo, one thread per rank. Every rank builds the same Llama (8 layers, hidden 256) and
 keeps the same stage for both engines (our cost-balanced split); a single-process run with one
@@ -94,11 +94,14 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
 
     # Rounds over all engines, each running a short block of consecutive steps, as in training.
     # Ratios are taken within a round, between blocks a few seconds apart, so the drift of a busy
-    # machine cancels out; the report gives their median over the rounds.
+    # machine cancels out; the report gives their median over the rounds. The order rotates from
+    # round to round, so no engine always follows the same one.
     times = {name: [[] for _ in range(args.rounds)] for name in engines}
     durations = {name: [collections.defaultdict(list) for _ in range(args.rounds)] for name in pipes}
+    order = list(engines)
     for r in range(args.rounds):
-        for name, fn in engines.items():
+        for name in order[r % len(order):] + order[:r % len(order)]:  # each round starts one engine later
+            fn = engines[name]
             for _ in range(args.warmup):
                 fn()
             for _ in range(args.steps):
@@ -174,8 +177,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--rounds", type=int, default=8, help="rounds over all engines")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per engine per round")
+    parser.add_argument("--rounds", type=int, default=16, help="rounds over all engines")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
     args = parser.parse_args()
 
