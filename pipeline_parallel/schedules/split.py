@@ -56,7 +56,7 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
     quick with hundreds of microbatches); and splitting just the backwards whose gradient
     another rank would otherwise wait for, wherever they fall (GPipe's first ones, when the
     earlier stage idles until its first gradient). A candidate is kept only if strictly faster
-    than the ones before it, so ties go to fewer splits.
+    than every one before it, so a tie goes to the plan tried first (fewer last backwards).
     """
     duration = estimated_duration(stage_costs)
     best, best_time = _placed(schedule, num_stages, 0, duration)
