@@ -112,8 +112,9 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 times[name][r].append(elapsed.item())
                 if name.startswith("ours"):
-                    for action, begin, end in pipes[name.split()[1]].last_timeline:
-                        durations[name.split()[1]][r][action].append(end - begin)
+                    schedule = name.split()[1]
+                    for action, begin, end in pipes[schedule].last_timeline:
+                        durations[schedule][r][action].append(end - begin)
     medians = {name: [{a: statistics.median(d) for a, d in per_action.items()} for per_action in rounds]
                for name, rounds in durations.items()}
     gathered = [None] * world

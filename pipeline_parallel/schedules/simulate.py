@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from .actions import Action, Kind, Schedule, W, input_of, result_of, stage_to_rank
@@ -40,22 +41,22 @@ def simulate(
     clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
     blocked: set[int] = set()  # ranks waiting for an input no action has made yet
-    position = {a: i for program in programs for i, a in enumerate(program)}
-    busy = [[0.0] for _ in programs]  # busy[r][i]: compute time of rank r's first i listed actions
-    for r, program in enumerate(programs):
-        for a in program:
-            busy[r].append(busy[r][-1] + duration(a))
+    consumers: dict[Action, tuple[int, int]] = {}  # for split_waited: result -> (rank, index) of its user
+    busy: list[list[float]] = []  # busy[r][i]: compute time of rank r's first i listed actions
+    if split_waited:
+        for r, program in enumerate(programs):
+            busy.append(list(itertools.accumulate(map(duration, program), initial=0.0)))
+            for i, a in enumerate(program):
+                if input_of(a, num_stages) is not None:
+                    consumers[input_of(a, num_stages)] = (r, i)
 
     def waited(rank: int, action: Action, start: float) -> bool:
-        """Whether the rank that needs this B's input gradient would be idle when a whole B made it."""
-        if action.kind != Kind.B or action.stage == 0:
-            return False
-        consumer = stage_to_rank(action.stage - 1, num_ranks)
+        """Whether the rank that uses this B's input gradient would be idle when a whole B made it."""
+        if action.kind != Kind.B or result_of(action) not in consumers:
+            return False  # the first stage's input gradient has no user
+        consumer, needed_by = consumers[result_of(action)]
         if consumer == rank:
             return False
-        needed_by = position.get(action._replace(stage=action.stage - 1))
-        if needed_by is None:
-            needed_by = position[Action(Kind.I, action.stage - 1, action.mb)]
         needed_at = clocks[consumer] + busy[consumer][needed_by] - busy[consumer][pcs[consumer]]
         return needed_at < start + duration(action)
 
