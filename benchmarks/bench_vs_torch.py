@@ -30,8 +30,8 @@ from torch import nn
 import pipeline_parallel as pp
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
-from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
-from pipeline_parallel.schedules import SCHEDULES, Action, Kind, build_schedule, lower, makespan, simulate
+from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
+from pipeline_parallel.schedules import SCHEDULES, Action, Kind, lower, makespan, simulate
 
 
 def build_model(args) -> LlamaForCausalLM:
@@ -118,24 +118,25 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     medians = {name: [{a: statistics.median(d) for a, d in per_action.items()} for per_action in rounds]
                for name, rounds in durations.items()}
     gathered = [None] * world
-    dist.all_gather_object(gathered, medians)
+    dist.all_gather_object(gathered, (medians, {name: pipe.program for name, pipe in pipes.items()}))
     if rank == 0:
-        # Our compute times of each round, all ranks together, per schedule.
-        measured = {name: [{a: d for per_rank in gathered for a, d in per_rank[name][r].items()}
+        # Our compute times of each round, all ranks together, per schedule; and the programs we ran
+        # (planned from the times of each Pipeline's first step).
+        measured = {name: [{a: d for per_rank, _ in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
-        results.put((times, counts, stage_costs(counts, estimate_costs(base.config, args.seq_len)), measured))
+        programs = {name: [ran[name] for _, ran in gathered] for name in pipes}
+        results.put((times, counts, measured, programs))
     dist.destroy_process_group()
 
 
-def floor(name: str, world: int, m: int, costs: list[float], measured: dict, whole_b: dict | None = None) -> float:
-    """The step time a schedule allows with these compute times and free transfers.
+def floor(name: str, program: list, world: int, m: int, measured: dict, whole_b: dict | None = None) -> float:
+    """The step time our `program` of schedule `name` allows with these compute times and free transfers.
 
-    Both engines run the same stage modules, so no engine runs this schedule faster. With
+    Both engines run the same stage modules, so no engine runs this program faster. With
     `whole_b` (a whole backward's time per stage), the same schedule without splitting any
     backward, which is what torch runs.
     """
     if whole_b is None:
-        program = build_schedule(name, world, m, stage_costs=costs)  # what Pipeline runs
         return makespan(simulate(program, world, measured.__getitem__))
     whole = {**measured}
     for a, d in measured.items():
@@ -191,7 +192,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    times, counts, costs, measured = results.get()
+    times, counts, measured, programs = results.get()
     for p in procs:
         p.join()
 
@@ -200,10 +201,10 @@ def main() -> None:
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
-    floors = {name: [floor(name, p, m, costs, d) for d in rounds] for name, rounds in measured.items()}
+    floors = {name: [floor(name, programs[name], p, m, d) for d in rounds] for name, rounds in measured.items()}
     # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
     whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
-    whole = {name: [floor(name, p, m, costs, d, whole_b[r]) for r, d in enumerate(rounds)]
+    whole = {name: [floor(name, programs[name], p, m, d, whole_b[r]) for r, d in enumerate(rounds)]
              for name, rounds in measured.items()}
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
@@ -212,8 +213,10 @@ def main() -> None:
     print(f"single process, 1 thread: {med(ideal) * m / (m + p - 1) * p * 1e3:8.1f} ms/step")
     print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m)")
     for name in floors:
+        split = [sum(a.kind == Kind.I for a in program) for program in programs[name]]
         print(f"floor of our {name:<6}   : {med(floors[name]) * 1e3:8.1f} ms/step  (with whole backwards, as torch "
-              f"runs it: {med(whole[name]) * 1e3:.1f}); our measured compute times, free transfers")
+              f"runs it: {med(whole[name]) * 1e3:.1f}); our measured compute times, free transfers; "
+              f"split backwards per rank {split} of {m}")
     print("ratios: median over rounds [lowest, highest]; 'best': each engine's fastest step against the others'")
     print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs floor':<21} "
           f"{'best ms':>8} {'vs torch':>8} {'vs ideal':>8}")

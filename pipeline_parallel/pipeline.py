@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
-from collections import defaultdict
 
 import torch
 from torch import nn
@@ -14,7 +12,7 @@ from .comm import PipeComm
 from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import Kind, build_schedule
+from .schedules import build_schedule
 from .stage import PipelineStage
 
 
@@ -32,9 +30,9 @@ class Pipeline:
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
     `split` is how many of each rank's last backwards send their input gradient before making
     their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
-    (see `schedules.choose_split`): with the estimated stage costs at first, then with the times
-    the first step at each sequence length measured. Which backwards are split never changes
-    the gradients, only when they are ready. After each step, `last_timeline` holds this rank's (action, start, end) compute times in
+    which backwards to split with the estimated stage costs (see `schedules.choose_split`). Which
+    backwards are split never changes the gradients, only when they are ready. After each step,
+    `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
     """
 
@@ -64,7 +62,6 @@ class Pipeline:
             split=split,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
-        self._measured: set[int] = set()  # sequence lengths whose program is planned from measured times
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
             error = None
@@ -102,39 +99,19 @@ class Pipeline:
         train = self._program(model.config, layer_counts, 2048)
         return layer_counts, train, self._program(model.config, layer_counts, 2048, forward_only=True)
 
-    def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False, stage_times=None):
-        """This rank's validated action list. The simulator picks how many backwards to split with
-        `stage_times` (measured), or else the stage costs estimated at the batch's sequence length
-        (attention grows with it, the head does not)."""
-        if not forward_only and stage_times is None and seq_len in self._programs:
+    def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
+        """This rank's validated action list. The simulator picks how many backwards to split with the
+        stage costs at the batch's sequence length (attention grows with it, the head does not)."""
+        if not forward_only and seq_len in self._programs:
             return self._programs[seq_len]
         program = build_schedule(
             self.schedule, self.pp_size, self.num_microbatches, prefetch=self.comm.prefetch_receives,
-            forward_only=forward_only, split=self.split, stage_times=stage_times,
+            forward_only=forward_only, split=self.split,
             stage_costs=stage_costs(layer_counts, estimate_costs(config, seq_len)),
         )[self.pp_rank]
         if not forward_only:
             self._programs[seq_len] = program
         return program
-
-    def _plan_from_timeline(self, seq_len: int) -> None:
-        """Plan this sequence length's program again with the compute times its first step measured.
-
-        The cost model can only estimate how a stage's layers compare with the embedding and the
-        head on this hardware; the timeline says. Each rank gives its stage's median time per kind
-        of action and every rank gets all of them, so all plan the same program.
-        """
-        kinds = [Kind.F, Kind.B, Kind.I, Kind.W]
-        spans = defaultdict(list)
-        for action, start, end in self.last_timeline:
-            spans[action.stage, action.kind].append(end - start)
-        times = torch.zeros(self.pp_size, len(kinds), dtype=torch.float64, device=self.device)
-        for (stage, kind), durations in spans.items():
-            times[stage, kinds.index(kind)] = max(statistics.median(durations), 1e-9)
-        self.comm.all_reduce(times)  # each row comes from the rank that owns the stage
-        stage_times = [{kind: t for kind, t in zip(kinds, row) if t > 0} for row in times.tolist()]
-        self._program(self.config, self.layer_counts, seq_len, stage_times=stage_times)  # the next step's
-        self._measured.add(seq_len)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
@@ -168,8 +145,6 @@ class Pipeline:
         program = self.program if training else self._eval_program
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         self.last_timeline = step.timeline
-        if training and self.split is None and self.pp_size > 1 and info.seq_len not in self._measured:
-            self._plan_from_timeline(info.seq_len)
         result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
         return self.comm.broadcast(result, self.pp_size - 1).item()
 

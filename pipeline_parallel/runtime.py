@@ -30,7 +30,6 @@ class StepData:
     training: bool = True  # False: forward only, no graph kept (evaluation)
     losses: list[torch.Tensor] = field(default_factory=list)
     # (action, start, end) of each compute action once its input was there, in time.perf_counter() seconds
-    # (on a GPU, from CUDA events: when the device ran it, not when the host launched it)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
@@ -45,7 +44,6 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # results for neighbours, by `result_of`
     in_flight: list[_Batch] = []
     pending: list[Action] = []
-    clock = _Clock(comm.device)
 
     def flush() -> None:
         ops, recv_keys = [], []
@@ -92,7 +90,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         flush()
         stage = stages[action.stage]
         data = take_input(action, stage)
-        start = clock.now()
+        start = time.perf_counter()
         if action.kind == Kind.F:
             if stage.is_last:
                 loss = stage.forward(
@@ -113,36 +111,11 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             stage.backward_weight(action.mb)
         else:
             raise NotImplementedError(f"the runtime cannot execute {action!r}")
-        step.timeline.append((action, start, clock.now()))
+        step.timeline.append((action, start, time.perf_counter()))
     flush()
     for batch in in_flight:
         batch.wait()
-    step.timeline = clock.in_seconds(step.timeline)
     assert not received and not produced, f"schedule left data unused: {list(received) + list(produced)}"
-
-
-class _Clock:
-    """When compute actions start and end: the host clock on a CPU; on a GPU, where the host only
-    launches kernels, CUDA events on the compute stream, read once the step has finished."""
-
-    def __init__(self, device: torch.device):
-        self.events = device.type == "cuda"
-        if self.events:
-            self.origin, self.host_origin = self.now(), time.perf_counter()
-
-    def now(self):
-        if not self.events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def in_seconds(self, timeline: list) -> list[tuple[Action, float, float]]:
-        if not self.events:
-            return timeline
-        torch.cuda.synchronize()  # every transfer of this rank has been posted by now
-        seconds = lambda event: self.host_origin + self.origin.elapsed_time(event) / 1e3
-        return [(action, seconds(start), seconds(end)) for action, start, end in timeline]
 
 
 class _Batch:

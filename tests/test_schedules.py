@@ -212,43 +212,22 @@ def test_the_chosen_split_is_the_fastest_under_its_cost_model():
     assert build_schedule("1f1b", 2, 8, stage_costs=[5.0, 5.5]) == build_schedule("1f1b", 2, 8, split=1, stage_costs=[5.0, 5.5])
 
 
-# Times as measured on the benchmark's two stages (ms): the first stage, five layers, has the slower
-# forward and backward, though the cost model puts the last stage, with the head, above it.
-MEASURED = [{Kind.F: 40.0, Kind.B: 79.0}, {Kind.F: 33.0, Kind.B: 72.0, Kind.I: 37.0, Kind.W: 38.0}]
-
-
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_a_slower_first_stage_gets_every_gradient_an_input_pass_after_its_forward(name):
-    """Planned with measured times, the last stage splits all its backwards: from its first gradient
-    on, the first stage is never idle (closed forms for these times, from 6 microbatches on)."""
-    from pipeline_parallel.schedules import makespan, simulate, stage_durations
+    """Times as once measured on the benchmark's two stages (ms), where the first stage was the
+    slower one: the last stage splits all its backwards, so from its first gradient on the first
+    stage never idles (closed forms for these times, from 6 microbatches on)."""
+    from pipeline_parallel.schedules import choose_split, makespan, simulate
 
-    (f0, b0), (f1, i1) = (MEASURED[0][Kind.F], MEASURED[0][Kind.B]), (MEASURED[1][Kind.F], MEASURED[1][Kind.I])
-    duration = stage_durations(MEASURED)
+    f0, b0, f1, b1, i1, w1 = 40.0, 79.0, 33.0, 72.0, 37.0, 38.0
+    duration = lambda a: {Kind.F: (f0, f1), Kind.B: (b0, b1), Kind.I: (None, i1), Kind.W: (None, w1)}[a.kind][a.stage]
     for m in range(6, 13):
-        schedule = build_schedule(name, 2, m, stage_times=MEASURED)
-        assert schedule == build_schedule(name, 2, m, split=m, stage_times=MEASURED), m
+        chosen = choose_split(GENERATORS[name](2, m), 2, duration)
+        assert [a for a in chosen[1] if a.kind == Kind.B] == [], m
         expected = m * f0 + f1 + i1 + m * b0 if name == "gpipe" else f0 + f1 + i1 + m * b0 + (m - 2) * f0
-        assert makespan(simulate(schedule, 2, duration)) == pytest.approx(expected), m
-        # The cost model plans for a slower last stage, and loses to the measured plan.
-        estimated = build_schedule(name, 2, m, stage_costs=[5.0, 5.5])
-        assert makespan(simulate(estimated, 2, duration)) > expected, m
-
-
-def test_stage_durations_fill_what_was_not_measured():
-    from pipeline_parallel.schedules import estimated_duration, stage_durations
-    from pipeline_parallel.schedules.split import SPLIT_OVERHEAD
-
-    duration = stage_durations([{Kind.F: 1.0}, {Kind.F: 2.0, Kind.B: 3.0}, {Kind.F: 1.0, Kind.I: 1.5, Kind.W: 2.5}])
-    half = lambda whole: whole * (1 + SPLIT_OVERHEAD) / 2
-    assert [duration(Action(k, 0, 0)) for k in (Kind.F, Kind.B, Kind.I, Kind.W)] == [1.0, 2.0, half(2.0), half(2.0)]
-    assert [duration(Action(k, 1, 0)) for k in (Kind.F, Kind.B, Kind.I, Kind.W)] == [2.0, 3.0, half(3.0), half(3.0)]
-    assert [duration(Action(k, 2, 0)) for k in (Kind.F, Kind.B, Kind.I, Kind.W)] == [1.0, 4.0, 1.5, 2.5]
-    estimated = estimated_duration([1.0, 2.0])
-    assert [estimated(Action(k, 1, 0)) for k in (Kind.F, Kind.B, Kind.I)] == [2.0, 4.0, half(4.0)]
-    for bad in ([{Kind.F: 1.0}], [{Kind.F: 1.0}, {Kind.B: 2.0}], [{Kind.F: 1.0}, {Kind.F: 0.0}]):
-        with pytest.raises(ValueError, match=r"stage_times must hold one dict per stage \(2\) with a positive time for F"):
-            build_schedule("1f1b", 2, 4, stage_times=bad)
+        assert makespan(simulate(chosen, 2, duration)) == pytest.approx(expected), m
+        unsplit = makespan(simulate(GENERATORS[name](2, m), 2, duration))
+        assert makespan(simulate(chosen, 2, duration)) < unsplit, m
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():

@@ -7,7 +7,7 @@ from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import choose_split, estimated_duration, split_backwards, stage_durations
+from .split import choose_split, estimated_duration, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -16,30 +16,23 @@ SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 def build_schedule(
     name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False,
     stage_costs: list[float] | None = None, split: int | None = None,
-    stage_times: list[dict[Kind, float]] | None = None,
 ) -> Schedule:
     """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards).
 
     Each rank's last `split` backwards are split into I and W (see `split_backwards`) or, by
-    default, whichever split the simulator finds fastest (see `choose_split`). The simulator
-    times actions with `stage_times`, each stage's measured seconds per kind of action (see
-    `stage_durations`), or else with these relative forward costs per stage (equal if None);
-    the times also decide where each W goes.
+    default, whichever split the simulator finds fastest for these relative forward costs per
+    stage (equal if None; see `choose_split`); the costs also decide where each W goes.
     """
     key = name.lower()
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
-    if stage_times is not None and (len(stage_times) != num_stages or any(t.get(Kind.F, 0) <= 0 for t in stage_times)):
-        raise ValueError(f"stage_times must hold one dict per stage ({num_stages}) with a positive time for F, "
-                         f"got {stage_times!r}")
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     else:
-        duration = (stage_durations(stage_times) if stage_times is not None
-                    else estimated_duration(stage_costs or [1.0] * num_stages))
+        duration = estimated_duration(stage_costs or [1.0] * num_stages)
         if split is not None:
             compute = split_backwards(compute, num_stages, split, duration)
         else:
@@ -52,6 +45,6 @@ def build_schedule(
 
 __all__ = [
     "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule",
-    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_durations", "stage_to_rank",
+    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_to_rank",
     "stages_of_rank", "validate",
 ]

@@ -39,22 +39,11 @@ def _placed(schedule: Schedule, num_stages: int, num_split: int, duration) -> tu
     return result, makespan(times)
 
 
-def stage_durations(stage_times: list[dict[Kind, float]]) -> Callable[[Action], float]:
-    """How long each action takes, from each stage's time per kind of action (measured medians, or
-    estimates). A kind a stage has no time for is estimated from those it has: a whole backward
-    as its two halves, or twice the forward; each half as half the whole plus SPLIT_OVERHEAD / 2."""
-    table = []
-    for times in stage_times:
-        halves = times[Kind.I] + times[Kind.W] if Kind.I in times and Kind.W in times else None
-        whole = times.get(Kind.B) or halves or 2 * times[Kind.F]
-        half = whole * (1 + SPLIT_OVERHEAD) / 2
-        table.append({Kind.F: times[Kind.F], Kind.B: whole, Kind.I: times.get(Kind.I, half), Kind.W: times.get(Kind.W, half)})
-    return lambda action: table[action.stage][action.kind]
-
-
 def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
-    """The cost model: a stage's forward costs `stage_costs[stage]`, the rest follows (`stage_durations`)."""
-    return stage_durations([{Kind.F: cost} for cost in stage_costs])
+    """The cost model the split is chosen with: a stage's forward costs `stage_costs[stage]`, its
+    backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2."""
+    share = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 + SPLIT_OVERHEAD, Kind.W: 1.0 + SPLIT_OVERHEAD}
+    return lambda action: stage_costs[action.stage] * share[action.kind]
 
 
 def choose_split(schedule: Schedule, num_stages: int, duration: Callable[[Action], float]) -> Schedule:
