@@ -30,9 +30,8 @@ class Pipeline:
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
     `split` is how many of each rank's last backwards send their input gradient before making
     their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
-    which backwards to split with the estimated stage costs (see `schedules.choose_split`). Which
-    backwards are split never changes the gradients, only when they are ready. After each step,
-    `last_timeline` holds this rank's (action, start, end) compute times in
+    which backwards to split with the estimated stage costs (see `schedules.choose_split`).
+    After each step, `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
     """
 

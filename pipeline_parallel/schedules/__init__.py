@@ -31,12 +31,10 @@ def build_schedule(
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
+    elif split is not None:
+        compute = split_backwards(compute, num_stages, split, estimated_duration(stage_costs or [1.0] * num_stages))
     else:
-        duration = estimated_duration(stage_costs or [1.0] * num_stages)
-        if split is not None:
-            compute = split_backwards(compute, num_stages, split, duration)
-        else:
-            compute = choose_split(compute, num_stages, duration)
+        compute = choose_split(compute, num_stages, stage_costs or [1.0] * num_stages)
     lowered = lower(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)

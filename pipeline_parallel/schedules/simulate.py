@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from .actions import Action, Kind, Schedule, W, input_of, result_of, stage_to_rank
@@ -12,6 +13,7 @@ _HELD = {Kind.F: 1, Kind.B: -1, Kind.W: -1}  # microbatches whose activations a 
 
 def simulate(
     schedule: Schedule, num_stages: int, duration: Callable[[Action], float], transfer: float = 0.0,
+    split_waited: bool = False,
 ) -> dict[Action, tuple[float, float]]:
     """Start and end time of every compute action when each rank runs its list in order.
 
@@ -23,10 +25,12 @@ def simulate(
 
     An I whose W is not in the list has its W placed here, the way `split_backwards` places it:
     when the rank would otherwise wait for an input, before a forward that would make the rank
-    hold more microbatches than the list ever does, before a whole B of its stage, or at the end.
-    W's run in the order of their I's, so each stage accumulates weight gradients in the order of
-    its backwards, whatever is split: every split gives the same gradients, bit for bit. The
-    result is in execution order on each rank, so it also says where each W went.
+    hold more microbatches than the list ever does, or at the end. The result is in execution
+    order on each rank, so it also says where each W went.
+
+    With `split_waited`, a B whose input gradient another rank would otherwise wait for runs as
+    I (its W placed as above): the gradient is handed on a weight pass sooner exactly where that
+    shortens someone's wait.
     """
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
@@ -37,6 +41,24 @@ def simulate(
     clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
     blocked: set[int] = set()  # ranks waiting for an input no action has made yet
+    consumers: dict[Action, tuple[int, int]] = {}  # for split_waited: result -> (rank, index) of its user
+    busy: list[list[float]] = []  # busy[r][i]: compute time of rank r's first i listed actions
+    if split_waited:
+        for r, program in enumerate(programs):
+            busy.append(list(itertools.accumulate(map(duration, program), initial=0.0)))
+            for i, a in enumerate(program):
+                if input_of(a, num_stages) is not None:
+                    consumers[input_of(a, num_stages)] = (r, i)
+
+    def waited(rank: int, action: Action, start: float) -> bool:
+        """Whether the rank that uses this B's input gradient would be idle when a whole B made it."""
+        if action.kind != Kind.B or result_of(action) not in consumers:
+            return False  # the first stage's input gradient has no user
+        consumer, needed_by = consumers[result_of(action)]
+        if consumer == rank:
+            return False
+        needed_at = clocks[consumer] + busy[consumer][needed_by] - busy[consumer][pcs[consumer]]
+        return needed_at < start + duration(action)
 
     def ready_time(rank: int, action: Action) -> float | None:
         source = input_of(action, num_stages)
@@ -70,12 +92,13 @@ def simulate(
         action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
         ready = None if action is None else ready_time(rank, action)
         over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
-        # A whole B accumulates weight gradients, so the stage's pending W's go first (see above).
-        behind = action is not None and action.kind == Kind.B and any(w.stage == action.stage for w in unplaced[rank])
-        if unplaced[rank] and (ready is None or ready > now or over_limit or behind):
+        if unplaced[rank] and (ready is None or ready > now or over_limit):
             run(rank, unplaced[rank].pop(0), now)
         elif ready is not None:
-            run(rank, action, max(now, ready))
+            start = max(now, ready)
+            if split_waited and waited(rank, action, start):
+                action = Action(Kind.I, action.stage, action.mb)
+            run(rank, action, start)
             pcs[rank] += 1
         else:  # idle until another rank has moved on, or until one can
             later = [clocks[r] for r in live if clocks[r] > now]

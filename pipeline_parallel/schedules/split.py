@@ -25,14 +25,16 @@ def split_backwards(schedule: Schedule, num_stages: int, num_split: int, duratio
     return _placed(schedule, num_stages, num_split, duration)[0]
 
 
-def _placed(schedule: Schedule, num_stages: int, num_split: int, duration) -> tuple[Schedule, float]:
-    """`split_backwards`, and the step time the simulator found for it."""
+def _placed(schedule: Schedule, num_stages: int, num_split: int, duration, split_waited: bool = False
+            ) -> tuple[Schedule, float]:
+    """`split_backwards`, and the step time the simulator found for it; with `split_waited` the
+    simulator also splits each backward whose gradient another rank would wait for (see `simulate`)."""
     body = []  # each rank's last `num_split` backwards as I, their W's left to the simulator
     for actions in schedule:
         backwards = [i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0]
         chosen = set(backwards[len(backwards) - num_split:]) if num_split else set()
         body.append([I(a.stage, a.mb) if i in chosen else a for i, a in enumerate(actions)])
-    times = simulate(body, num_stages, duration)
+    times = simulate(body, num_stages, duration, split_waited=split_waited)
     result: Schedule = [[] for _ in body]
     for action in times:  # in execution order on each rank, W's included
         result[stage_to_rank(action.stage, len(body))].append(action)
@@ -46,16 +48,17 @@ def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
     return lambda action: stage_costs[action.stage] * share[action.kind]
 
 
-def choose_split(schedule: Schedule, num_stages: int, duration: Callable[[Action], float]) -> Schedule:
-    """The split of backwards under which the simulator finds the shortest step with these durations.
+def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:
+    """The split of backwards under which the simulator finds the shortest step with these costs.
 
     The candidates: each rank's last `k` backwards (`split_backwards`) for every `k` from none
     up to 4 * num_stages, then 16 more evenly spaced up to all of them (a search that stays
-    quick with hundreds of microbatches). Since W's keep the order of their backwards, a split
-    that ends before some whole B has its W's run before that B; splitting a rank's last
-    backwards is the kind of split that leaves the W's free to fill waits. A candidate is kept
-    only if strictly faster than every one before it, so a tie goes to fewer splits.
+    quick with hundreds of microbatches); and splitting just the backwards whose gradient
+    another rank would otherwise wait for, wherever they fall (GPipe's first ones, when the
+    earlier stage idles until its first gradient). A candidate is kept only if strictly faster
+    than every one before it, so a tie goes to the plan tried first (fewer last backwards).
     """
+    duration = estimated_duration(stage_costs)
     best, best_time = _placed(schedule, num_stages, 0, duration)
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, 4 * num_stages)
@@ -64,4 +67,5 @@ def choose_split(schedule: Schedule, num_stages: int, duration: Callable[[Action
         candidate, time = _placed(schedule, num_stages, num_split, duration)
         if time < best_time - 1e-9 * best_time:
             best, best_time = candidate, time
-    return best
+    candidate, time = _placed(schedule, num_stages, 0, duration, split_waited=True)
+    return candidate if time < best_time - 1e-9 * best_time else best
