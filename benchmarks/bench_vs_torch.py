@@ -120,8 +120,7 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, (medians, {name: pipe.program for name, pipe in pipes.items()}))
     if rank == 0:
-        # Our compute times of each round, all ranks together, per schedule; and the programs we ran
-        # (planned from the times of each Pipeline's first step).
+        # Our compute times of each round, all ranks together, per schedule; and each rank's program.
         measured = {name: [{a: d for per_rank, _ in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
         programs = {name: [ran[name] for _, ran in gathered] for name in pipes}
@@ -129,20 +128,22 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
-def floor(name: str, program: list, world: int, m: int, measured: dict, whole_b: dict | None = None) -> float:
-    """The step time our `program` of schedule `name` allows with these compute times and free transfers.
+def floor(program: list, world: int, measured: dict) -> float:
+    """The step time `program` allows with these compute times and free transfers.
 
-    Both engines run the same stage modules, so no engine runs this program faster. With
-    `whole_b` (a whole backward's time per stage), the same schedule without splitting any
-    backward, which is what torch runs.
+    Both engines run the same stage modules, so no engine runs this program faster.
     """
-    if whole_b is None:
-        return makespan(simulate(program, world, measured.__getitem__))
+    return makespan(simulate(program, world, measured.__getitem__))
+
+
+def with_whole_backwards(measured: dict, whole_b: dict[int, float]) -> dict:
+    """`measured`, plus a whole backward's time (per stage in `whole_b`, else I + W) for each split
+    one: the times of the same schedule with no backward split, which is what torch runs."""
     whole = {**measured}
     for a, d in measured.items():
         if a.kind == Kind.I:
             whole[Action(Kind.B, a.stage, a.mb)] = whole_b.get(a.stage, d + measured[Action(Kind.W, a.stage, a.mb)])
-    return makespan(simulate(lower(SCHEDULES[name](world, m), world), world, whole.__getitem__))
+    return whole
 
 
 def whole_backward_times(measured: dict) -> dict[int, float]:
@@ -201,11 +202,11 @@ def main() -> None:
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
-    floors = {name: [floor(name, programs[name], p, m, d) for d in rounds] for name, rounds in measured.items()}
+    floors = {name: [floor(programs[name], p, d) for d in rounds] for name, rounds in measured.items()}
     # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
     whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
-    whole = {name: [floor(name, programs[name], p, m, d, whole_b[r]) for r, d in enumerate(rounds)]
-             for name, rounds in measured.items()}
+    whole = {name: [floor(lower(SCHEDULES[name](p, m), p), p, with_whole_backwards(d, whole_b[r]))
+                    for r, d in enumerate(rounds)] for name, rounds in measured.items()}
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
