@@ -63,7 +63,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     if last:
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
-        step.loss_scales = [1.0 / (num_microbatches * max(int((y != IGNORE_INDEX).sum()), 1)) for y in targets]
+        step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
     costs = stage_costs(layer_counts, estimate_costs(model.config, info.seq_len))  # as Pipeline: this batch's length
     program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives,
                              stage_costs=costs)[stage_idx]
@@ -87,4 +87,7 @@ def _check_microbatches(inputs, targets) -> str | None:
         if x.shape != inputs[0].shape:
             return (f"microbatch {i} is shaped {tuple(x.shape)} but microbatch 0 {tuple(inputs[0].shape)}; "
                     "all microbatches of a batch must have the same shape")
+        if y.numel() and bool((y == IGNORE_INDEX).all()):
+            return (f"microbatch {i}: every target is {IGNORE_INDEX} (ignored), so its mean loss is undefined (a "
+                    "single process gets NaN); leave that microbatch out or give it a target to train on")
     return None

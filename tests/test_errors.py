@@ -177,6 +177,9 @@ CLASSIC_CASES = {
     "classic-lengths-differ-across-ranks": (lambda r, w, g: _classic(XS if r == 0 else list(X.chunk(4)),
                                                                      YS if r == 0 else list(Y.chunk(4))),
                                             ValueError, r"ranks disagree on 'num_microbatches'"),
+    "classic-microbatch-all-ignored": (lambda r, w, g: _classic(XS, [YS[0], torch.full_like(YS[1], -100)]),
+                                       ValueError, r"microbatch 1: every target is -100 \(ignored\), so its mean "
+                                       r"loss is undefined.*leave that microbatch out"),
     "classic-gpt2": (lambda r, w, g: _classic(model=_gpt2()), (TypeError, ValueError),
                      r"GPT2LMHeadModel is not a supported decoder-only causal LM"),
 }
@@ -291,7 +294,8 @@ SINGLE = [
     "inputs-not-tensor", "labels-missing-on-last", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",
-    "classic-microbatch-shapes", "classic-not-a-list", "classic-bad-targets", "classic-gpt2",
+    "classic-microbatch-shapes", "classic-not-a-list", "classic-bad-targets", "classic-microbatch-all-ignored",
+    "classic-gpt2",
 ]
 
 
