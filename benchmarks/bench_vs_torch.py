@@ -1,14 +1,17 @@
 """Step time of our GPipe and 1F1B against torch.distributed.pipelining on the same stages and data.
 
-    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 16] [--steps 1]
+    python benchmarks/bench_vs_torch.py [--ranks 2] [--microbatches 8] [--rounds 16] [--schedules gpipe,1f1b]
 
 CPU, gloo, one thread per rank. Every rank builds the same Llama (8 layers, hidden 256) and
 keeps the same stage for both engines (our cost-balanced split); a single-process run with one
 thread gives T_single. The engines take turns over several rounds, each running a short block
 of consecutive steps; ratios are taken within a round and their median over the rounds is
-reported, so the drift of a busy machine cancels out. Besides the ratio to torch and to the
-bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with its
-floor: the step time the schedule allows with the compute times measured in our run.
+reported with a 95% confidence interval (bootstrap over rounds), so the drift of a busy machine
+cancels out and one can tell a difference from noise. Besides the ratio to torch and to the
+bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
+same ideal from a T_single taken while every rank runs one (a CPU's cores share caches, memory
+bandwidth and clock, which no schedule can help), and with its floor: the step time the
+schedule allows with the compute times measured in our run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import collections
 import copy
 import os
+import random
 import socket
 import statistics
 import time
@@ -78,12 +82,17 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     engines, pipes = {}, {}
     # T_single: the whole model in one thread on rank 0, while the other ranks wait.
     engines["single"] = (lambda: _single_step(base, x, y)) if rank == 0 else (lambda: None)
-    for name in ("gpipe", "1f1b"):
+    # The same on every rank at once: what one thread's step costs while every core computes, as
+    # in a pipeline on a CPU (shared caches, memory bandwidth, clock). Its time is the ranks' mean.
+    engines["single busy"] = lambda: _single_step(base, x, y)
+    for name in args.schedules:
         pipe = pp.Pipeline(copy.deepcopy(base), schedule=name, num_microbatches=args.microbatches,
                            layer_counts=counts, device="cpu")
         engines[f"ours {name}"] = (lambda pipe=pipe: (pipe.step(x, y), pipe.zero_grad()))
         pipes[name] = pipe
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        if name not in args.schedules:
+            continue
         model = copy.deepcopy(base)
         indices = layer_ranges(counts)[rank]
         keep_local_part(model, indices, first, last)
@@ -109,7 +118,11 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                 start = time.perf_counter()
                 fn()
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                if name == "single busy":
+                    dist.all_reduce(elapsed)
+                    elapsed /= world
+                else:
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
                 times[name][r].append(elapsed.item())
                 if name.startswith("ours"):
                     schedule = name.split()[1]
@@ -156,6 +169,13 @@ def whole_backward_times(measured: dict) -> dict[int, float]:
     return {stage: statistics.median(d) for stage, d in per_stage.items()}
 
 
+def median_interval(values: list[float], samples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% confidence interval of the median of `values`: percentile bootstrap over them."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(samples))
+    return medians[int(0.025 * samples)], medians[int(0.975 * samples) - 1]
+
+
 def _single_step(model, x, y):
     loss = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
     loss.backward()
@@ -181,9 +201,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=16, help="rounds over all engines")
+    parser.add_argument("--schedules", type=lambda s: s.split(","), default=["gpipe", "1f1b"],
+                        help="comma-separated, of gpipe and 1f1b")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
     args = parser.parse_args()
+    if not args.schedules or set(args.schedules) - {"gpipe", "1f1b"}:
+        parser.error(f"--schedules takes gpipe, 1f1b or both (comma-separated), not {','.join(args.schedules)}")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -201,7 +225,9 @@ def main() -> None:
     per_round = {name: [statistics.median(t) for t in rounds] for name, rounds in times.items()}
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
+    busy_ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single busy")]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
+    best.pop("single busy")
     floors = {name: [floor(programs[name], p, d) for d in rounds] for name, rounds in measured.items()}
     # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
     whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
@@ -211,26 +237,31 @@ def main() -> None:
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
           f"{args.rounds} rounds of {args.steps} steps per engine")
-    print(f"single process, 1 thread: {med(ideal) * m / (m + p - 1) * p * 1e3:8.1f} ms/step")
-    print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m)")
+    print(f"single process, 1 thread: {med(ideal) * m / (m + p - 1) * p * 1e3:8.1f} ms/step; with one on every "
+          f"rank at once: {med(busy_ideal) * m / (m + p - 1) * p * 1e3:.1f} ms/step "
+          f"(x{med([b / i for b, i in zip(busy_ideal, ideal)]):.3f}: this machine's cost of all cores computing)")
+    print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m); "
+          f"with the all-cores T_single ('vs busy ideal'): {med(busy_ideal) * 1e3:.1f}")
     for name in floors:
         split = [sum(a.kind == Kind.I for a in program) for program in programs[name]]
         print(f"floor of our {name:<6}   : {med(floors[name]) * 1e3:8.1f} ms/step  (with whole backwards, as torch "
               f"runs it: {med(whole[name]) * 1e3:.1f}); our measured compute times, free transfers; "
               f"split backwards per rank {split} of {m}")
-    print("ratios: median over rounds [lowest, highest]; 'best': each engine's fastest step against the others'")
-    print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs floor':<21} "
-          f"{'best ms':>8} {'vs torch':>8} {'vs ideal':>8}")
+    print("ratios: median over rounds [95% confidence interval of that median]; 'best': each engine's fastest "
+          "step against the others'")
+    print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
+          f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}")
 
     def ratio(a, b):
         values = [x / y for x, y in zip(a, b)]
-        return f"{med(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+        low, high = median_interval(values)
+        return f"{med(values):.3f} [{low:.3f}, {high:.3f}]"
 
     for name, t in per_round.items():
         schedule = name.split()[1]
         vs_floor = ratio(t, floors[schedule]) if name.startswith("ours") else "-"
         print(f"{name:<12} {med(t) * 1e3:8.1f}  {ratio(t, per_round['torch ' + schedule]):<21} "
-              f"{ratio(t, ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
+              f"{ratio(t, ideal):<21} {ratio(t, busy_ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
               f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}")
 
 
