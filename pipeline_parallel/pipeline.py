@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import nn
@@ -32,7 +33,8 @@ class Pipeline:
     their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
     which backwards to split with the estimated stage costs (see `schedules.choose_split`).
     After each step, `last_timeline` holds this rank's (action, start, end) compute times in
-    `time.perf_counter()` seconds, for timelines and `schedules.simulate`.
+    `time.perf_counter()` seconds, for timelines and `schedules.simulate`, and `last_step_seconds`
+    how long its schedule ran (the rank was idle for the rest, waiting on other ranks).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Pipeline:
                 self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
         self.activation_dtype = next(model.parameters()).dtype
         self.last_timeline: list = []
+        self.last_step_seconds = 0.0
 
     def _plan(self, model: nn.Module, layer_counts):
         """Layers per stage and this rank's train and eval programs; raises on bad arguments
@@ -142,8 +145,9 @@ class Pipeline:
         if training:  # the same on every rank: they agreed on the sequence length
             self.program = self._program(self.config, self.layer_counts, info.seq_len)
         program = self.program if training else self._eval_program
+        start = time.perf_counter()
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
-        self.last_timeline = step.timeline
+        self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
         return self.comm.broadcast(result, self.pp_size - 1).item()
 

@@ -97,6 +97,7 @@ class Trainer:
         m = cfg.pipeline.num_microbatches
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
         self.step, self.tokens, self.checkpoint = 0, 0, None
+        self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_bubble()
         self._resume_or_start()
         self.reporter = self.pipe.is_last  # knows the loss first; shows the bar and writes the metrics
         self.metrics = MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None
@@ -162,6 +163,8 @@ class Trainer:
         for _ in range(accum):
             inputs, labels = next(self.batches)
             loss += self.pipe.step(inputs, labels) / accum  # each step: token mean of its own batch
+            self._pipeline_seconds += self.pipe.last_step_seconds
+            self._busy_seconds += sum(end - start for _, start, end in self.pipe.last_timeline)
         scale_grads_(self.pipe.parameters(), 1.0 / accum)
         grad_norm = self.pipe.clip_grad_norm_(cfg.optim.grad_clip or math.inf).item()
         self.optimizer.step()
@@ -169,6 +172,16 @@ class Trainer:
         self.step += 1
         self.tokens += accum_tokens(cfg)
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
+
+    def measured_bubble(self) -> float:
+        """The share of the pipeline steps' time since the last call that the ranks spent idle, all
+        ranks together (one all-reduce, so every rank calls it). Unlike `bubble_fraction` it includes
+        uneven stages and waits on transfers."""
+        seconds = torch.tensor([self._busy_seconds, self._pipeline_seconds], dtype=torch.float64,
+                               device=self.pipe.device)
+        busy, total = self.pipe.comm.all_reduce(seconds).tolist()
+        self._busy_seconds = self._pipeline_seconds = 0.0
+        return 1.0 - busy / total if total > 0 else 0.0
 
     def evaluate(self) -> float | None:
         """Mean loss over (up to max_batches) held-out batches; None if there are too few sequences."""
@@ -205,11 +218,13 @@ class Trainer:
             timed_tokens += accum_tokens(cfg)
             last = self.step == max_steps
             if self.step % cfg.log.interval == 0 or last:
-                rate = timed_tokens / timed_seconds
-                record |= {"tokens_per_s": rate, "bubble_fraction": bubble, "effective_tokens_per_s": rate / (1 - bubble)}
+                rate, idle = timed_tokens / timed_seconds, self.measured_bubble()
+                record |= {"tokens_per_s": rate, "bubble_fraction": bubble, "effective_tokens_per_s": rate / (1 - bubble),
+                           "measured_idle_fraction": idle}
                 self._log(record, records)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} lr {record['lr']:.2e} {rate:,.0f} tok/s "
-                                    f"bubble {bubble:.0%} eff {rate / (1 - bubble):,.0f} tok/s", refresh=False)
+                                    f"bubble {bubble:.0%} (idle {idle:.0%}) eff {rate / (1 - bubble):,.0f} tok/s",
+                                    refresh=False)
                 timed_tokens, timed_seconds = 0, 0.0
             bar.update(1)
             if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or last):

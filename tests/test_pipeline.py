@@ -145,7 +145,7 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
     out["grads_none_after_zero"] = all(p.grad is None for p in pipe.parameters())
     out["loss2"] = pipe.step(*give(x2, y2))
     out["grads2"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
-    out["timeline"] = pipe.last_timeline
+    out["timeline"], out["step_seconds"] = pipe.last_timeline, pipe.last_step_seconds
     out["program"] = [a for a in pipe.program if not a.kind.is_comm]
     return out
 
@@ -250,15 +250,18 @@ def test_pipeline_matches_single_process(results, world_size, index, case):
         assert got["grads_none_after_zero"], what
     full = set(ref["full_names"]) - ({"lm_head.weight"} if case.tie and world_size == 1 else set())
     assert seen == full, "the stages together hold the whole model"
-    _check_timelines([got["timeline"] for got in per_rank], [got["program"] for got in per_rank])
+    _check_timelines([got["timeline"] for got in per_rank], [got["program"] for got in per_rank],
+                     [got["step_seconds"] for got in per_rank])
 
 
-def _check_timelines(timelines, programs):
-    """Each rank's recorded compute times follow its program, and no action starts before its input
-    was computed on the neighbouring rank (perf_counter is one monotonic clock for all processes)."""
+def _check_timelines(timelines, programs, step_seconds):
+    """Each rank's recorded compute times follow its program and lie within its timed step, and no
+    action starts before its input was computed on the neighbouring rank (perf_counter is one
+    monotonic clock for all processes)."""
     ends = {}
-    for timeline, program in zip(timelines, programs):
+    for timeline, program, seconds in zip(timelines, programs, step_seconds):
         assert [a for a, _, _ in timeline] == program
+        assert timeline[-1][2] - timeline[0][1] <= seconds
         assert all(start <= end for _, start, end in timeline)
         assert all(end <= nxt for (_, _, end), (_, nxt, _) in zip(timeline, timeline[1:]))
         ends.update({result_of(a): end for a, _, end in timeline})

@@ -129,6 +129,14 @@ def test_resume_gives_the_same_losses(runs):
     assert sorted(_losses(whole)) == [1, 2, 3, 4, 5, 6] and _losses(whole)[6] < _losses(whole)[1]
 
 
+def test_measured_idle_share_is_logged(runs):
+    """Each logged step carries the ranks' measured idle share of their pipeline steps: 2 stages
+    always leave some idle (the last waits for the first forward), and it is a share of the time."""
+    whole, _, _ = runs
+    idle = [r["measured_idle_fraction"] for r in read_metrics(whole / "metrics.jsonl") if "loss" in r]
+    assert len(idle) == 6 and all(0 < share < 1 for share in idle), idle
+
+
 def test_grad_accumulation_equals_one_larger_batch(corpus, tmp_path):
     """2 pipeline steps of 4 sequences per optimizer step train like 1 step of the same 8 sequences."""
     steps = {"train.max_steps": 3, "eval.interval": 0}
