@@ -97,7 +97,7 @@ class Trainer:
         m = cfg.pipeline.num_microbatches
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
         self.step, self.tokens, self.checkpoint = 0, 0, None
-        self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_bubble()
+        self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()
         self._resume_or_start()
         self.reporter = self.pipe.is_last  # knows the loss first; shows the bar and writes the metrics
         self.metrics = MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None
@@ -173,7 +173,7 @@ class Trainer:
         self.tokens += accum_tokens(cfg)
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
 
-    def measured_bubble(self) -> float:
+    def measured_idle_fraction(self) -> float:
         """The share of the pipeline steps' time since the last call that the ranks spent idle, all
         ranks together (one all-reduce, so every rank calls it). Unlike `bubble_fraction` it includes
         uneven stages and waits on transfers."""
@@ -218,13 +218,13 @@ class Trainer:
             timed_tokens += accum_tokens(cfg)
             last = self.step == max_steps
             if self.step % cfg.log.interval == 0 or last:
-                rate, idle = timed_tokens / timed_seconds, self.measured_bubble()
-                record |= {"tokens_per_s": rate, "bubble_fraction": bubble, "effective_tokens_per_s": rate / (1 - bubble),
+                rate, idle = timed_tokens / timed_seconds, self.measured_idle_fraction()
+                effective = rate / (1 - bubble)
+                record |= {"tokens_per_s": rate, "bubble_fraction": bubble, "effective_tokens_per_s": effective,
                            "measured_idle_fraction": idle}
                 self._log(record, records)
                 bar.set_postfix_str(f"loss {record['loss']:.3f} lr {record['lr']:.2e} {rate:,.0f} tok/s "
-                                    f"bubble {bubble:.0%} (idle {idle:.0%}) eff {rate / (1 - bubble):,.0f} tok/s",
-                                    refresh=False)
+                                    f"bubble {bubble:.0%} (idle {idle:.0%}) eff {effective:,.0f} tok/s", refresh=False)
                 timed_tokens, timed_seconds = 0, 0.0
             bar.update(1)
             if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or last):
