@@ -110,19 +110,6 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     return model.eval(), run_tokenizer(checkpoint.parent.parent)
 
 
-def save_tokenizer(tokenizer: Tokenizer, out_dir: Path, model_max_length: int | None = None) -> None:
-    """Write tokenizer files that `transformers.AutoTokenizer.from_pretrained` loads (4.x and 5.x alike)."""
-    if tokenizer.hf is not None and tokenizer.hf.eos_token_id == tokenizer.eos_id:  # a complete HF tokenizer
-        tokenizer.hf.save_pretrained(out_dir)
-        return
-    tokenizer.save(out_dir)  # tokenizer.json
-    eos = tokenizer.backend.id_to_token(tokenizer.eos_id)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
-    if model_max_length:
-        config["model_max_length"] = model_max_length
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32") -> Path:
     """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`.
 
@@ -141,7 +128,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     config = type(model.config).from_dict(model.config.to_dict())
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
-    save_tokenizer(tokenizer, tmp, getattr(config, "max_position_embeddings", None))
+    tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir

@@ -63,14 +63,20 @@ class Tokenizer:
             text = repr(sorted(self.hf.get_vocab().items()))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def save(self, directory: str | Path) -> None:
-        """Save so that `load_tokenizer(directory)` gives back the same tokenizer."""
+    def save(self, directory: str | Path, model_max_length: int | None = None) -> None:
+        """Write files that both `load_tokenizer(directory)` and `transformers.AutoTokenizer`
+        (4.x and 5.x) load as this tokenizer, its end-of-text token included."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.hf is not None:
+        if self.hf is not None and self.hf.eos_token_id == self.eos_id:  # a complete HF tokenizer
             self.hf.save_pretrained(directory)
-        else:
-            _atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
+            return
+        _atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
+        eos = self.backend.id_to_token(self.eos_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
+        if model_max_length:
+            config["model_max_length"] = model_max_length
+        _atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -176,7 +182,7 @@ def get_tokenizer(
     if saved.is_file():
         return load_tokenizer(saved)
     tok = train_bpe(texts, vocab_size, max_chars)
-    tok.save(run_dir)
+    _atomic_write(saved, tok.backend.to_str())  # one self-contained file (its eos is found by name)
     return tok
 
 

@@ -53,6 +53,9 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     text = "def answer(self):\n    return 42\n"
     assert tokenizer.encode(text, add_special_tokens=False) == load_tokenizer(cfg.data.tokenizer).encode(text)
     assert tokenizer.eos_token_id == hf.config.eos_token_id
+    copy = transformers.AutoTokenizer.from_pretrained(run_dir / "tokenizer")  # the run's copy of the bare file
+    assert copy.eos_token_id == hf.config.eos_token_id and copy.encode(text, add_special_tokens=False) == \
+        tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
