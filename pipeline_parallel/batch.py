@@ -6,7 +6,6 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .comm import PipeComm
 from .stage import IGNORE_INDEX
@@ -115,10 +114,6 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
 def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:
     """Raise the first failing rank's error on every rank (a TypeError stays a TypeError)."""
     local = None if error is None else (type(error).__name__ == "TypeError", str(error))
-    reports = [local]
-    if comm.pp_size > 1:
-        reports = [None] * comm.pp_size
-        dist.all_gather_object(reports, local, group=comm.group)
-    is_type_error, message = reports[failed[0] if comm.pp_size > 1 else 0]
+    is_type_error, message = comm.all_gather_object(local)[failed[0]]
     prefix = "" if comm.pp_size == 1 else f"pipeline rank {failed[0]}: "
     raise (TypeError if is_type_error else ValueError)(prefix + message)

@@ -68,7 +68,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives,
                              stage_costs=costs)[stage_idx]
     loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
-    return loss.item() if loss is not None else None
+    return loss if last else None
 
 
 def _check_microbatches(inputs, targets) -> str | None:

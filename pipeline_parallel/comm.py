@@ -53,11 +53,13 @@ class PipeComm:
         dist.all_gather(gathered, local, group=self.group)
         return [t.tolist() for t in gathered]
 
-    def broadcast(self, tensor: torch.Tensor, src_pp_rank: int) -> torch.Tensor:
-        """`tensor` from `src_pp_rank` on every rank (in place)."""
-        if self.pp_size > 1:
-            dist.broadcast(tensor, self.global_ranks[src_pp_rank], group=self.group)
-        return tensor
+    def all_gather_object(self, value) -> list:
+        """Every rank's picklable `value`, indexed by pp_rank (for error reports, not for tensors)."""
+        if self.pp_size == 1:
+            return [value]
+        values = [None] * self.pp_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """`tensor` reduced over the pipeline ranks (in place)."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm
-from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end
+from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -63,21 +63,21 @@ class Pipeline:
             split=split,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
+        on_meta = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
+            _check_autocast_dtype(autocast_dtype)
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
-            error = None
+            on_meta, error = weights_on_meta(model), None
         except (TypeError, ValueError) as e:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
-        agree_on_settings(self.comm, self._settings, local_error=error)
+        agree_on_settings(self.comm, {**self._settings, **fingerprint(weights_on_meta=on_meta)}, local_error=error)
         self.config = model.config
 
         tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
-        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        if on_meta:
-            materialize(model, self.device, seed)
+        materialize(model, self.device, seed)
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
@@ -148,8 +148,7 @@ class Pipeline:
         start = time.perf_counter()
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
-        result = loss.detach().float() if loss is not None else torch.zeros((), device=self.device)
-        return self.comm.broadcast(result, self.pp_size - 1).item()
+        return loss
 
     def parameters(self):
         """This rank's parameters (its stage only)."""
@@ -185,6 +184,11 @@ class Pipeline:
         """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
         skip = self._tied_weight if self.is_last else None
         return [p for p in self.parameters() if p is not skip]
+
+
+def _check_autocast_dtype(dtype) -> None:
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None (no autocast), got {dtype!r}")
 
 
 def _default_device() -> torch.device:

@@ -33,17 +33,23 @@ class StepData:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
-def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData) -> None:
+def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData
+                ) -> Exception | None:
     """Run `program` (this rank's lowered actions) for one step.
 
     Consecutive comm actions are posted as one batch when the next compute action comes up
     (or at the end); a compute action waits only for the receive it consumes. Sends are kept
     until they complete, so their tensors stay alive; all are waited for before returning.
+
+    If a compute action raises, the rest of the program still makes every transfer, handing on
+    zeros in place of results, so no other rank is left waiting for this one; the error is
+    returned for `run_step` to raise on every rank.
     """
     received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Batch]] = {}
     produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # results for neighbours, by `result_of`
     in_flight: list[_Batch] = []
     pending: list[Action] = []
+    error: Exception | None = None
 
     def flush() -> None:
         ops, recv_keys = [], []
@@ -90,32 +96,53 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         flush()
         stage = stages[action.stage]
         data = take_input(action, stage)
-        start = time.perf_counter()
-        if action.kind == Kind.F:
-            if stage.is_last:
-                loss = stage.forward(
-                    action.mb, data, step.labels[action.mb], step.loss_scales[action.mb], training=step.training
-                )
-                step.losses.append(loss)
+        result = None
+        if error is None:
+            start = time.perf_counter()
+            try:
+                result = _compute(action, stage, data, step)
+            except Exception as e:
+                error = e
+                for each in stages.values():
+                    each.clear()  # a failed step must not leak activations into the next one
             else:
-                out = stage.forward(action.mb, data, training=step.training)
-                _check_activation(out, step, action)
-                produced[result_of(action)] = out
-        elif action.kind == Kind.B:
-            grad_input = stage.backward(action.mb, data)
-            if not stage.is_first:
-                produced[result_of(action)] = grad_input
-        elif action.kind == Kind.I:
-            produced[result_of(action)] = stage.backward_input(action.mb, data)
-        elif action.kind == Kind.W:
-            stage.backward_weight(action.mb)
-        else:
-            raise NotImplementedError(f"the runtime cannot execute {action!r}")
-        step.timeline.append((action, start, time.perf_counter()))
+                step.timeline.append((action, start, time.perf_counter()))
+        if _hands_on(action, stage):
+            if result is None:  # only after an error: the neighbour still gets the tensor it waits for
+                result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
+            produced[result_of(action)] = result
     flush()
     for batch in in_flight:
         batch.wait()
     assert not received and not produced, f"schedule left data unused: {list(received) + list(produced)}"
+    return error
+
+
+def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torch.Tensor | None:
+    """Run one compute action; returns what it hands to a neighbouring stage (see `_hands_on`)."""
+    if action.kind == Kind.F:
+        if stage.is_last:
+            labels, scale = step.labels[action.mb], step.loss_scales[action.mb]
+            step.losses.append(stage.forward(action.mb, data, labels, scale, training=step.training))
+            return None
+        out = stage.forward(action.mb, data, training=step.training)
+        _check_activation(out, step, action)
+        return out
+    if action.kind == Kind.B:
+        return stage.backward(action.mb, data)
+    if action.kind == Kind.I:
+        return stage.backward_input(action.mb, data)
+    if action.kind == Kind.W:
+        stage.backward_weight(action.mb)
+        return None
+    raise NotImplementedError(f"the runtime cannot execute {action!r}")
+
+
+def _hands_on(action: Action, stage: PipelineStage) -> bool:
+    """Whether `action`'s result goes to a neighbouring stage: activations forward, input gradients back."""
+    if action.kind == Kind.F:
+        return not stage.is_last
+    return action.kind == Kind.I or action.kind == Kind.B and not stage.is_first
 
 
 class _Batch:
@@ -151,21 +178,51 @@ def _check_activation(out: torch.Tensor, step: StepData, action: Action) -> None
 
 def run_step(
     program: list[Action], stage: PipelineStage, comm: PipeComm, step: StepData, tied_weight=None
-) -> torch.Tensor | None:
-    """One training step on this rank: run the program, then finish the gradients of tied weights.
+) -> float:
+    """One step on this rank: run the program, finish the gradients of tied weights, and agree on the outcome.
 
     `tied_weight` is the embedding/LM-head matrix when the model ties them and they live on
-    different ranks (first and last): each end adds the other's gradient, so both hold the
-    gradient of the single shared weight. Returns the summed scaled loss on the last stage.
+    different ranks (first and last): each end adds the other's gradient of this step, so both
+    hold the gradient of the single shared weight (plus what earlier steps accumulated).
+
+    Returns the summed scaled loss on every rank. If a compute action failed on any rank, every
+    rank raises (the failing one its own error) once all transfers of the step are done, so none
+    is left waiting and the next step starts clean.
     """
+    tied = tied_weight is not None and step.training
+    accumulated = tied_weight.grad if tied else None
+    if tied:
+        tied_weight.grad = None  # this step's part alone is exchanged
     try:
-        run_program(program, {stage.stage_idx: stage}, comm, step)
-    except BaseException:
-        stage.clear()  # a failed step must not leak activations into the next one
+        error = run_program(program, {stage.stage_idx: stage}, comm, step)
+        if tied:
+            this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
+            comm.exchange_add_(this_step, comm.pp_size - 1 if stage.is_first else 0)
+            tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
+    except BaseException:  # a transfer failed (or an interrupt): the pipeline cannot finish the step
+        stage.clear()
         raise
-    if tied_weight is not None and step.training:
-        if tied_weight.grad is None:
-            tied_weight.grad = torch.zeros_like(tied_weight)
-        peer = comm.pp_size - 1 if stage.is_first else 0
-        comm.exchange_add_(tied_weight.grad, peer)
-    return torch.stack(step.losses).sum() if stage.is_last else None
+    outcome = torch.zeros(2, dtype=torch.float64, device=comm.device)  # [loss, failed ranks], summed
+    if error is not None:
+        outcome[1] = 1
+    elif stage.is_last:
+        outcome[0] = torch.stack(step.losses).sum().detach()
+    loss, failed = comm.all_reduce(outcome).tolist()
+    if failed:
+        _raise_step_failure(comm, error)
+    return loss
+
+
+def _raise_step_failure(comm: PipeComm, error: Exception | None) -> None:
+    """Raise `error` where it happened and, on every other rank, an error that names the failing rank."""
+    reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        if hasattr(error, "add_note"):
+            error.add_note("pipeline_parallel: the other ranks finished this step's transfers and raised too; "
+                           "its gradients are incomplete: call zero_grad() before the next step")
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(reports) if m is not None)
+    raise RuntimeError(
+        f"pipeline rank {rank} failed during the step ({message}); the other ranks finished its transfers with "
+        "zeros, so this step's gradients are incomplete: call zero_grad() before the next step"
+    )

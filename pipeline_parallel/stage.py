@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from .models.decoder import DecoderParts
 
 IGNORE_INDEX = -100
+# The autograd node of torch.utils.checkpoint(..., use_reentrant=True), which only a plain backward can run.
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 class PipelineStage:
@@ -49,6 +51,8 @@ class PipelineStage:
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Backward microbatch `mb`: accumulates weight grads, returns the input's grad (None on stage 0)."""
         x, out = self._saved.pop(mb)
+        if self.is_first and not out.requires_grad:
+            return None  # every parameter of the first stage is frozen: nothing to compute or send
         torch.autograd.backward(out, grad_output)
         return None if self.is_first else x.grad
 
@@ -97,8 +101,9 @@ class _WeightPass:
     weight, a norm's scale) are found by walking the graph. While the input's gradient is
     computed, a hook keeps the gradient arriving at each such node; `run` later starts autograd
     from those nodes towards their parameters only, one group of nodes and parameters at a time,
-    so no activation gradient is computed twice. If the output does not depend on the input,
-    the first pass is simply the full backward.
+    so no activation gradient is computed twice. If the output does not depend on the input, or
+    the graph holds reentrant activation checkpointing (which autograd cannot run for chosen
+    inputs only), the first pass is simply the full backward and the second has nothing to do.
     """
 
     def __init__(self, out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]):
@@ -107,7 +112,7 @@ class _WeightPass:
         consumers = _consumers(out.grad_fn)
         x_node = torch.autograd.graph.get_gradient_edge(x).node
         on_x_path = _reachable([x_node], consumers)
-        if out.grad_fn not in on_x_path:
+        if out.grad_fn not in on_x_path or any(node.name() == _REENTRANT_CHECKPOINT for node in consumers):
             return
         for param in params:
             edge = torch.autograd.graph.get_gradient_edge(param) if param.requires_grad else None

@@ -48,6 +48,12 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
     return (pipe.evaluate if evaluate else pipe.step)(x, y)
 
 
+def _partly_on_meta():
+    model = build("llama", 4)
+    model.model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.empty(1, device="meta"))
+    return model
+
+
 def _set(tensor, index, value):
     tensor = tensor.clone()
     tensor[index] = value
@@ -64,6 +70,19 @@ PIPELINE_CASES = {
                          r"unknown schedule 'zigzag'.*choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "bad-split": (lambda r, w, g: _pipe(g, split="all"), ValueError,
                   r"split must be a whole number >= 0 \(how many of each rank's last backwards .*got 'all'"),
+    "schedule-none": (lambda r, w, g: _pipe(g, schedule=None), ValueError,
+                      r"unknown schedule None; choose one of \['1f1b', 'afab', 'gpipe'\]"),
+    "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,
+                              r"autocast_dtype must be torch.bfloat16, torch.float16 or None \(no autocast\), "
+                              r"got 'bf16'"),
+    "autocast-dtype-on-rank-1-only": (lambda r, w, g: _pipe(g, autocast_dtype=torch.float64 if r == 1 else None),
+                                      TypeError, r"pipeline rank 1: autocast_dtype must be .* got torch.float64"),
+    "partly-on-meta": (lambda r, w, g: pp.Pipeline(_partly_on_meta(), device="cpu", group=g, num_microbatches=2),
+                       ValueError, r"1 of the model's \d+ parameters are on the meta device \(e.g. "
+                       r"model.layers.1.mlp.up_proj.weight\) but the rest hold values"),
+    "meta-on-rank-0-only": (lambda r, w, g: pp.Pipeline(build("llama", 4, meta=r == 0), device="cpu", group=g,
+                                                        num_microbatches=2), ValueError,
+                            r"ranks disagree on 'weights_on_meta'"),
     "microbatches-zero": (lambda r, w, g: _pipe(g, num_microbatches=0), ValueError,
                           r"num_microbatches must be an integer >= 1, got 0"),
     "microbatches-negative": (lambda r, w, g: _pipe(g, num_microbatches=-1), ValueError,
@@ -287,10 +306,58 @@ def test_pipeline_still_exact_after_rejected_steps():
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and saved == 0
 
 
+def _fails_mid_step_worker(rank, world_size):
+    """Rank 0's second forward raises while rank 1 waits for that microbatch; then a clean step follows.
+
+    The pipeline runs on a group whose short timeout would turn a rank left waiting into a "Timed out" error.
+    """
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    model = build("llama", 4)
+    ref = copy.deepcopy(model)
+    pipe = pp.Pipeline(model, num_microbatches=4, device="cpu", group=group)
+    x, y = make_batch(8, 6, num_microbatches=4)
+    layer, calls = next(iter(pipe.model.model.layers.values())), []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if rank == 0 and len(calls) == 2:
+            raise RuntimeError("boom in microbatch 1")
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = forward
+    try:
+        pipe.step(x, y)
+        failure = None
+    except Exception as e:
+        failure = type(e).__name__, str(e), getattr(e, "__notes__", [])
+    del layer.forward
+    pipe.zero_grad()
+    loss = pipe.step(x, y)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    diff = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return failure, loss, ref_loss.item(), diff, pipe.stage.num_saved
+
+
+def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
+    """The other ranks cannot finish the step: the failing rank still makes the step's transfers (with zeros),
+    every rank raises, none waits for a timeout, and after zero_grad the pipeline trains exactly again."""
+    build("llama", 1)
+    (first, *results_0), (second, *results_1) = run_distributed(_fails_mid_step_worker, 2, timeout=TIMEOUT)
+    assert first[:2] == ("RuntimeError", "boom in microbatch 1"), first
+    assert any("call zero_grad() before the next step" in note for note in first[2]), first
+    assert second[0] == "RuntimeError" and re.search(
+        r"pipeline rank 0 failed during the step \(RuntimeError: boom in microbatch 1\); .*call zero_grad\(\)",
+        second[1]), second
+    for loss, ref_loss, diff, saved in (results_0, results_1):
+        assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and saved == 0
+
+
 # one process, no process group ------------------------------------------------------------------------------------
 
 SINGLE = [
-    "unknown-schedule", "microbatches-zero", "microbatches-negative", "layout-linear", "layout-gpt2",
+    "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "layout-linear", "layout-gpt2",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",

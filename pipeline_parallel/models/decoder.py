@@ -186,25 +186,56 @@ def keep_local_part(model: nn.Module, layer_indices: range, first: bool, last: b
         model.lm_head = None
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
-    """Allocate and initialise a model (or the stage part of one) built on the `meta` device.
+def weights_on_meta(model: nn.Module) -> bool:
+    """Whether `model`'s weights are yet to be made: True if every parameter is on the `meta` device.
 
-    Our own Llama initialises each parameter from (seed, name), so weights do not depend on the
-    pipeline split; Hugging Face models use their own `_init_weights`. Rotary tables are
-    recomputed, since they are buffers no checkpoint holds.
+    Raises if only some are (the rest would be silently re-initialised), or if a buffer other than
+    the rotary tables, which are recomputed from the config, is on meta.
     """
-    model.to_empty(device=device)
-    with torch.no_grad():
-        if hasattr(model, "init_weights") and not _is_hf_config(model.config):
-            model.init_weights(seed)
-        else:
-            torch.manual_seed(seed)
-            for module in model.modules():
-                if module is not model.model.rotary_emb:
-                    model._init_weights(module)
-    rotary = model.model.rotary_emb
+    names = [name for name, p in model.named_parameters()]
+    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if on_meta and len(on_meta) < len(names):
+        raise ValueError(
+            f"{len(on_meta)} of the model's {len(names)} parameters are on the meta device (e.g. {on_meta[0]}) "
+            "but the rest hold values; load every weight (load_state_dict(..., assign=True) with a full state "
+            "dict) or build the whole model on meta, and the pipeline initialises its own part"
+        )
+    rotary = {id(b) for b in model.model.rotary_emb.buffers()}
+    buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
+    if buffers:
+        raise ValueError(f"buffer {buffers[0]} is on the meta device and the pipeline cannot recompute it; "
+                         "give the model with its buffers allocated")
+    return bool(on_meta)
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
+
+    With every parameter on meta (see `weights_on_meta`), all are made: our own Llama initialises
+    each parameter from (seed, name), so weights do not depend on the pipeline split; Hugging Face
+    models use their own `_init_weights`, and tied input/output embeddings stay one matrix.
+    Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
+    """
+    inner = model.model
+    if weights_on_meta(model):
+        tied = inner.embed_tokens is not None and model.lm_head is not None and \
+            model.lm_head.weight is inner.embed_tokens.weight
+        model.to_empty(device=device)  # unties shared parameters
+        if tied:
+            model.lm_head.weight = inner.embed_tokens.weight
+        with torch.no_grad():
+            if hasattr(model, "init_weights") and not _is_hf_config(model.config):
+                model.init_weights(seed)
+            else:
+                torch.manual_seed(seed)
+                for module in model.modules():
+                    if module is not inner.rotary_emb:
+                        model._init_weights(module)
+    elif not any(b.is_meta for b in inner.rotary_emb.buffers()):
+        return
+    rotary = inner.rotary_emb
     if hasattr(rotary, "reset_inv_freq"):
         rotary.reset_inv_freq(device)
     else:
         with torch.device(device):  # HF rotary tables are computed in __init__
-            model.model.rotary_emb = type(rotary)(config=model.config)
+            inner.rotary_emb = type(rotary)(config=model.config)

@@ -23,7 +23,7 @@ def build_schedule(
     default, whichever split the simulator finds fastest for these relative forward costs per
     stage (equal if None; see `choose_split`); the costs also decide where each W goes.
     """
-    key = name.lower()
+    key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:

@@ -32,7 +32,7 @@ def _placed(schedule: Schedule, num_stages: int, num_split: int, duration, split
     body = []  # each rank's last `num_split` backwards as I, their W's left to the simulator
     for actions in schedule:
         backwards = [i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0]
-        chosen = set(backwards[len(backwards) - num_split:]) if num_split else set()
+        chosen = set(backwards[max(len(backwards) - num_split, 0):]) if num_split else set()
         body.append([I(a.stage, a.mb) if i in chosen else a for i, a in enumerate(actions)])
     times = simulate(body, num_stages, duration, split_waited=split_waited)
     result: Schedule = [[] for _ in body]
