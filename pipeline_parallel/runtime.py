@@ -9,7 +9,7 @@ import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind, stage_to_rank
-from .schedules.actions import input_of, result_of
+from .schedules.actions import input_of, result_of, user_of
 from .stage import PipelineStage
 
 
@@ -107,7 +107,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
                     each.clear()  # a failed step must not leak activations into the next one
             else:
                 step.timeline.append((action, start, time.perf_counter()))
-        if _hands_on(action, stage):
+        if user_of(action, stage.num_stages) is not None:
             if result is None:  # only after an error: the neighbour still gets the tensor it waits for
                 result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
             produced[result_of(action)] = result
@@ -119,7 +119,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
 
 
 def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torch.Tensor | None:
-    """Run one compute action; returns what it hands to a neighbouring stage (see `_hands_on`)."""
+    """Run one compute action; returns what it hands to a neighbouring stage (see `user_of`)."""
     if action.kind == Kind.F:
         if stage.is_last:
             labels, scale = step.labels[action.mb], step.loss_scales[action.mb]
@@ -136,13 +136,6 @@ def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torc
         stage.backward_weight(action.mb)
         return None
     raise NotImplementedError(f"the runtime cannot execute {action!r}")
-
-
-def _hands_on(action: Action, stage: PipelineStage) -> bool:
-    """Whether `action`'s result goes to a neighbouring stage: activations forward, input gradients back."""
-    if action.kind == Kind.F:
-        return not stage.is_last
-    return action.kind == Kind.I or action.kind == Kind.B and not stage.is_first
 
 
 class _Batch:

@@ -61,6 +61,15 @@ def result_of(action: Action) -> Action | None:
     return Action(Kind.F if action.kind == Kind.F else Kind.B, action.stage, action.mb)
 
 
+def user_of(action: Action, num_stages: int) -> int | None:
+    """The stage that takes a compute action's result (see `result_of`): the next one for a
+    forward, the previous one for an input gradient; None if there is no such stage or result."""
+    if result_of(action) is None:
+        return None
+    user = action.stage + 1 if action.kind == Kind.F else action.stage - 1
+    return user if 0 <= user < num_stages else None
+
+
 def input_of(action: Action, num_stages: int) -> Action | None:
     """The neighbour's result (see `result_of`) that `action` consumes: the previous stage's
     activation for F, the next stage's input gradient for B and I; None where the input comes

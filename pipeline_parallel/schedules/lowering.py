@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .actions import Action, Kind, Schedule, input_of, result_of, stage_to_rank
+from .actions import Action, Kind, Schedule, input_of, stage_to_rank, user_of
 
 
 def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
@@ -31,20 +31,12 @@ def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedul
     return lowered
 
 
-def _peer_stage(action: Action, num_stages: int) -> int | None:
-    """The stage on the other end of this compute action's output."""
-    peer = action.stage + 1 if action.kind == Kind.F else action.stage - 1
-    return peer if 0 <= peer < num_stages else None
-
-
 def _remote(stage: int, peer: int | None, num_ranks: int) -> bool:
     return peer is not None and stage_to_rank(peer, num_ranks) != stage_to_rank(stage, num_ranks)
 
 
 def _send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
-    if action.kind.is_comm or result_of(action) is None:
-        return []
-    if not _remote(action.stage, _peer_stage(action, num_stages), num_ranks):
+    if action.kind.is_comm or not _remote(action.stage, user_of(action, num_stages), num_ranks):
         return []
     kind = Kind.SEND_F if action.kind == Kind.F else Kind.SEND_B
     return [Action(kind, action.stage, action.mb)]
