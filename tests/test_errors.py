@@ -223,6 +223,17 @@ def _worker(rank, world_size, names, table):
     return results
 
 
+def _clean_step(pipe, ref, x, y):
+    """One pipeline step and the same on `ref` in one process: (loss, reference loss, largest gradient
+    difference, microbatches the stage still holds)."""
+    loss = pipe.step(x, y)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    diff = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return loss, ref_loss.item(), diff, pipe.stage.num_saved
+
+
 def _recovery_worker(rank, world_size):
     """After rejected steps, the same Pipeline still trains exactly (nothing half-done leaks into the step)."""
     model = build("llama", 4)
@@ -235,12 +246,7 @@ def _recovery_worker(rank, world_size):
             pipe.step(bad_x, bad_y)
         except ValueError as e:
             errors.append(str(e))
-    loss = pipe.step(x, y)
-    ref_loss = full_loss(ref, x, y)
-    ref_loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    diff = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
-    return errors, loss, ref_loss.item(), diff, pipe.stage.num_saved
+    return errors, *_clean_step(pipe, ref, x, y)
 
 
 def _all_tables():
@@ -332,12 +338,7 @@ def _fails_mid_step_worker(rank, world_size):
         failure = type(e).__name__, str(e), getattr(e, "__notes__", [])
     del layer.forward
     pipe.zero_grad()
-    loss = pipe.step(x, y)
-    ref_loss = full_loss(ref, x, y)
-    ref_loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    diff = max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
-    return failure, loss, ref_loss.item(), diff, pipe.stage.num_saved
+    return failure, *_clean_step(pipe, ref, x, y)
 
 
 def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():

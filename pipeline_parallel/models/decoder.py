@@ -192,11 +192,11 @@ def weights_on_meta(model: nn.Module) -> bool:
     Raises if only some are (the rest would be silently re-initialised), or if a buffer other than
     the rotary tables, which are recomputed from the config, is on meta.
     """
-    names = [name for name, p in model.named_parameters()]
-    on_meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if on_meta and len(on_meta) < len(names):
+    params = list(model.named_parameters())
+    on_meta = [name for name, p in params if p.is_meta]
+    if on_meta and len(on_meta) < len(params):
         raise ValueError(
-            f"{len(on_meta)} of the model's {len(names)} parameters are on the meta device (e.g. {on_meta[0]}) "
+            f"{len(on_meta)} of the model's {len(params)} parameters are on the meta device (e.g. {on_meta[0]}) "
             "but the rest hold values; load every weight (load_state_dict(..., assign=True) with a full state "
             "dict) or build the whole model on meta, and the pipeline initialises its own part"
         )
