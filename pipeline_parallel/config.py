@@ -302,10 +302,13 @@ def validate(cfg: Config, world_size: int) -> None:
         check(_get(cfg, key) >= 1, f"{key} must be >= 1, got {_get(cfg, key)}")
     for key in ("optim.warmup_steps", "optim.lr_decay_steps", "optim.weight_decay", "optim.grad_clip",
                 "optim.min_lr", "eval.interval", "eval.max_batches", "checkpoint.interval",
-                "checkpoint.keep_last", "data.max_tokens", "export.sample_tokens", "num_threads"):
+                "checkpoint.keep_last", "data.max_tokens", "export.sample_tokens", "export.temperature",
+                "export.top_k", "num_threads"):
         check(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
     check(o.lr > 0 and o.min_lr <= o.lr, f"need 0 < optim.lr and optim.min_lr <= optim.lr, got {o.lr}, {o.min_lr}")
     check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
+    check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
+    check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")
     check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     check(t.batch_size % p.num_microbatches == 0,
           f"train.batch_size {t.batch_size} is not divisible by pipeline.num_microbatches {p.num_microbatches}: "

@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name, lowest in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1)):
+        if not getattr(args, name) >= lowest:
+            parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     model, tokenizer = load_model(args.path)
     for i in range(args.num_samples):
         if args.num_samples > 1:

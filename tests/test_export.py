@@ -66,6 +66,9 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     generate_main([str(out), "--prompt", "import ", "--max-new-tokens", "8", "--num-samples", "2"])
     printed = capsys.readouterr().out
     assert printed.count("--- sample") == 2 and "import " in printed
+    with pytest.raises(SystemExit):  # before loading anything
+        generate_main([str(out), "--temperature", "-1"])
+    assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
 def _first_loss(rank, world_size, cfg):

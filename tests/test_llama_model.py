@@ -162,3 +162,7 @@ def test_generate_shape_and_reproducibility():
     assert torch.equal(out, again)
     greedy = generate(model, prompt, max_new_tokens=2, temperature=0)
     assert torch.equal(greedy[:, 5], model(prompt).logits[:, -1].argmax(-1))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        generate(model, prompt, max_new_tokens=1, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        generate(model, prompt, max_new_tokens=1, top_k=-3)

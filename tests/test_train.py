@@ -95,6 +95,13 @@ def test_config_errors(tmp_path, corpus):
         validate(with_overrides(cfg, **{"pipeline.layer_counts": [3, 2]}), 2)
     with pytest.raises(ConfigError, match="must be >= 1"):
         validate(with_overrides(cfg, **{"train.max_steps": 0}), 1)
+    # Checked up front, not after training (the end-of-run sample) or after reading the data.
+    for key, value, message in (("export.temperature", -1.0, "export.temperature must be >= 0"),
+                                ("export.top_k", -3, "export.top_k must be >= 0"),
+                                ("data.vocab_size", 10, "data.vocab_size must be at least 257"),
+                                ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            validate(with_overrides(cfg, **{key: value}), 1)
 
 
 def test_config_file_overrides_and_round_trip(tmp_path):

@@ -292,6 +292,10 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
     temperature=0 picks the most likely token; top_k keeps only the k most likely tokens.
     Returns (batch, seq + max_new_tokens) token ids.
     """
+    if not temperature >= 0:  # a negative one would silently prefer the least likely tokens
+        raise ValueError(f"temperature must be >= 0 (0 picks the most likely token), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, or None to sample among all tokens; got {top_k}")
     for _ in range(max_new_tokens):
         context = input_ids[:, -model.config.max_position_embeddings:]
         logits = model(context).logits[:, -1, :].float()
