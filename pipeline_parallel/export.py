@@ -113,11 +113,13 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
 def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32") -> Path:
     """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`.
 
-    Written into a temporary directory and renamed, so `out_dir` is never half written.
+    Written into a temporary directory and renamed, so `out_dir` is never half written. An
+    existing `out_dir` is replaced only if it is empty or a Hugging Face model (an earlier export).
     """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -132,6 +134,21 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuse to replace a directory that holds anything but a model: it would be deleted."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file; give a directory to export into")
+    entries = list(out_dir.iterdir())
+    is_model = (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors"))
+    if entries and not (is_model and all(entry.is_file() for entry in entries)):
+        raise FileExistsError(
+            f"{out_dir} exists and is not a Hugging Face model directory (it holds "
+            f"{', '.join(sorted(e.name for e in entries)[:5])}{', ...' if len(entries) > 5 else ''}); exporting "
+            "replaces the whole directory, so give a new or empty one, or an earlier export")
 
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):

@@ -71,6 +71,24 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_replaces_only_an_earlier_export(trained, tmp_path):
+    run_dir, _ = trained
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(FileExistsError, match="not a Hugging Face model directory"):
+        export(run_dir, run_dir)  # would have deleted the run's checkpoints
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="todo.txt"):
+        export(run_dir, notes)
+    assert (notes / "todo.txt").read_text() == "mine"
+    out, _, _ = export(run_dir, tmp_path / "hf")
+    assert export(run_dir, out)[0] == out  # an earlier export is replaced
+    assert (out / "config.json").is_file()
+
+
 def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 
