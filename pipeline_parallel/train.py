@@ -63,6 +63,10 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients stopped being finite; raised on every rank before the update."""
+
+
 class Trainer:
     """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
 
@@ -167,6 +171,12 @@ class Trainer:
             self._busy_seconds += sum(end - start for _, start, end in self.pipe.last_timeline)
         scale_grads_(self.pipe.parameters(), 1.0 / accum)
         grad_norm = self.pipe.clip_grad_norm_(cfg.optim.grad_clip or math.inf).item()
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same numbers on every rank
+            self.pipe.zero_grad()
+            raise TrainingDiverged(
+                f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; the weights were not updated and "
+                f"nothing was saved (last checkpoint: {self.checkpoint}). Resume from it with a lower optim.lr, "
+                "more optim.warmup_steps, a lower optim.grad_clip or train.dtype = fp32")
         self.optimizer.step()
         self.pipe.zero_grad()
         self.step += 1
@@ -286,13 +296,13 @@ def run(cfg: Config) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: config errors end every rank with a one-line message (printed by rank 0)."""
+    """Console entry point: a config error or divergence ends every rank with one line (printed by rank 0)."""
     try:
         run(parse_args(argv))
-    except ConfigError as e:
+    except (ConfigError, TrainingDiverged) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
 
 
 if __name__ == "__main__":

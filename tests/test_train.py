@@ -17,7 +17,7 @@ from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args,
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import read_metrics
 from pipeline_parallel.tokenizer import train_bpe
-from pipeline_parallel.train import Trainer, main, run
+from pipeline_parallel.train import Trainer, TrainingDiverged, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -206,6 +206,36 @@ def test_interrupted_save_keeps_the_previous_checkpoint(runs, corpus, tmp_path, 
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000004"
     for step, loss in _losses(tmp_path).items():
         assert loss == pytest.approx(_losses(whole)[step], abs=1e-5)
+
+
+def _diverge_at_step_3(rank, world_size, cfg):
+    """Train with the first stage's weights turned to NaN before the third step; returns what was raised."""
+    trainer = Trainer(cfg)
+    real_step = trainer.pipe.step
+
+    def step(inputs, labels):
+        if trainer.step == 2 and rank == 0:
+            with torch.no_grad():
+                next(trainer.pipe.parameters()).fill_(float("nan"))
+        return real_step(inputs, labels)
+
+    trainer.pipe.step = step
+    with pytest.raises(TrainingDiverged) as raised:
+        trainer.fit()
+    last = {name: p.clone() for name, p in trainer.pipe.model.named_parameters()}
+    return str(raised.value), last
+
+
+def test_divergence_stops_every_rank_before_the_update_and_keeps_the_checkpoints(corpus, tmp_path):
+    cfg = make_cfg(tmp_path, corpus, **{"checkpoint.interval": 1, "checkpoint.keep_last": 2})
+    results = run_distributed(_diverge_at_step_3, 2, cfg)
+    for message, _ in results:
+        assert message.startswith("step 3: loss nan, gradient norm nan") and "step_000002" in message
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000002"  # no NaN checkpoint rotated a good one out
+    last_rank_weights = results[1][1]
+    assert all(torch.isfinite(p).all() for p in last_rank_weights.values())  # the update was skipped
+    model, _ = load_full_model(tmp_path)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_torchrun_end_to_end(corpus, tmp_path):
