@@ -76,6 +76,7 @@ class Trainer:
         self.device, self.owns_group = setup_distributed(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
+        resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
 
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(
@@ -102,7 +103,7 @@ class Trainer:
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
         self.step, self.tokens, self.checkpoint = 0, 0, None
         self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()
-        self._resume_or_start()
+        self._resume_or_start(resume_from)
         self.reporter = self.pipe.is_last  # knows the loss first; shows the bar and writes the metrics
         self.metrics = MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None
 
@@ -132,12 +133,20 @@ class Trainer:
                 raise error or RuntimeError("another rank failed preparing the data; see its error")
         return result
 
-    def _resume_or_start(self) -> None:
-        cfg = self.cfg
-        path = None if cfg.resume == "never" else latest_checkpoint(self.run_dir) if cfg.resume in (
-            "auto", "latest") else Path(cfg.resume)
-        if path is None and cfg.resume == "latest":
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint `resume` asks for (None: start from step 0)."""
+        cfg, latest = self.cfg, latest_checkpoint(self.run_dir)
+        if cfg.resume == "latest" and latest is None:
             raise ConfigError(f"resume = latest, but {self.run_dir / 'checkpoints'} holds no checkpoint")
+        if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
+            raise ConfigError(
+                f"resume = never, but {self.run_dir} already holds a run (checkpoint {latest.name}); starting "
+                f"over there would replace its checkpoints and metrics: give a new run_dir, or delete "
+                f"{self.run_dir / 'checkpoints'} first")
+        return latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
+
+    def _resume_or_start(self, path: Path | None) -> None:
+        cfg = self.cfg
         if self.rank == 0:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             if self.data.tokenizer.hf is not None or cfg.data.tokenizer:  # keep a copy for export

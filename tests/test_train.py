@@ -136,6 +136,18 @@ def test_resume_gives_the_same_losses(runs):
     assert sorted(_losses(whole)) == [1, 2, 3, 4, 5, 6] and _losses(whole)[6] < _losses(whole)[1]
 
 
+def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
+    whole = runs[0]
+    metrics = (whole / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already holds a run .checkpoint step_000006.*new run_dir"):
+        run(make_cfg(whole, corpus, resume="never"))  # would have rotated out its checkpoints and wiped its metrics
+    assert (whole / "metrics.jsonl").read_text() == metrics
+    assert ckpt.latest_checkpoint(whole).name == "step_000006"
+    missing = {"data.path": [str(tmp_path / "no-such-file.txt")]}  # never read: the resume error comes first
+    with pytest.raises(ConfigError, match="resume = latest, but .* holds no checkpoint"):
+        run(make_cfg(tmp_path / "new", corpus, resume="latest", **missing))
+
+
 def test_measured_idle_share_is_logged(runs):
     """Each logged step carries the ranks' measured idle share of their pipeline steps: 2 stages
     always leave some idle (the last waits for the first forward), and it is a share of the time."""
