@@ -182,10 +182,11 @@ class Trainer:
         grad_norm = self.pipe.clip_grad_norm_(cfg.optim.grad_clip or math.inf).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same numbers on every rank
             self.pipe.zero_grad()
+            then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; the weights were not updated and "
-                f"nothing was saved (last checkpoint: {self.checkpoint}). Resume from it with a lower optim.lr, "
-                "more optim.warmup_steps, a lower optim.grad_clip or train.dtype = fp32")
+                f"nothing was saved: {then} with a lower optim.lr, more optim.warmup_steps, a lower "
+                "optim.grad_clip or train.dtype = fp32")
         self.optimizer.step()
         self.pipe.zero_grad()
         self.step += 1
