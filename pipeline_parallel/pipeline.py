@@ -121,7 +121,8 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
-        """The loss of one batch, forward only (no graph kept, gradients untouched), on every rank."""
+        """The loss of one batch in eval mode (no dropout), forward only (no graph kept, gradients untouched), on
+        every rank."""
         return self._run(input_ids, labels, training=False)
 
     def _run(self, input_ids, labels, training: bool) -> float:
@@ -146,7 +147,12 @@ class Pipeline:
             self.program = self._program(self.config, self.layer_counts, info.seq_len)
         program = self.program if training else self._eval_program
         start = time.perf_counter()
-        loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
+        was_training = self.model.training
+        self.model.train(was_training and training)  # evaluation runs without dropout
+        try:
+            loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
+        finally:
+            self.model.train(was_training)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
 

@@ -358,3 +358,18 @@ def test_gemma_before_transformers_5_is_refused():
     """GemmaModel.forward scales embeddings itself there; a stage would silently skip it."""
     with pytest.raises(TypeError, match="upgrade transformers"):
         pp.Pipeline(build("gemma", 2), schedule="1f1b", num_microbatches=2, device="cpu")
+
+
+def _eval_with_dropout_worker(rank, world_size):
+    model = build("llama", attention_dropout=0.5).train()  # as from_config builds it
+    x, y = make_batch(4, 8)
+    with torch.no_grad():
+        want = full_loss(copy.deepcopy(model).eval(), x, y).item()
+    pipe = pp.Pipeline(model, schedule="1f1b", num_microbatches=2)
+    losses = [pipe.evaluate(x, y) for _ in range(3)]
+    return losses, want, pipe.model.training
+
+
+def test_evaluate_runs_without_dropout_and_keeps_the_training_mode():
+    for losses, want, training in run_distributed(_eval_with_dropout_worker, 2):
+        assert losses == pytest.approx([want] * 3, abs=1e-5) and training
