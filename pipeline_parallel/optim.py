@@ -17,11 +17,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     same groups and optimizer state keyed by parameter name loads across splits.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+    set_hyperparameters(optimizer, cfg)
+    return optimizer
+
+
+def set_hyperparameters(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
+    """Give `build_optimizer`'s two groups the configured betas, eps and weight decay (matrices only);
+    after loading a checkpoint too, whose saved values would otherwise override the config."""
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):
+        group.update(betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=weight_decay)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

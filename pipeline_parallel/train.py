@@ -20,7 +20,7 @@ from .export import EXPORT_DIR, TOKENIZER_DIR, export, hf_config_dict, load_hf_w
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
-from .optim import build_optimizer, lr_at, scale_grads_, set_lr
+from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 
 # Model fields a checkpoint must agree on to be resumed.
@@ -163,6 +163,7 @@ class Trainer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             load_checkpoint(path, self.pipe.model, self.optimizer)
+        set_hyperparameters(self.optimizer, cfg.optim)  # the config's, not the checkpoint's
         self.batches.load_state_dict(extra["data"])
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")

@@ -148,6 +148,15 @@ def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
         run(make_cfg(tmp_path / "new", corpus, resume="latest", **missing))
 
 
+def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
+    changed = {"optim.weight_decay": 0.0, "optim.beta1": 0.5, "optim.eps": 1e-3}
+    trainer = Trainer(make_cfg(runs[0], corpus, **changed))  # resumes at step 6 (saved on 2 ranks)
+    assert trainer.step == 6
+    for group in trainer.optimizer.param_groups:
+        assert group["weight_decay"] == 0.0 and group["betas"][0] == 0.5 and group["eps"] == 1e-3
+    assert trainer.optimizer.state  # the moments were loaded
+
+
 def test_measured_idle_share_is_logged(runs):
     """Each logged step carries the ranks' measured idle share of their pipeline steps: 2 stages
     always leave some idle (the last waits for the first forward), and it is a share of the time."""
