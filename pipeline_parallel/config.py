@@ -152,11 +152,17 @@ def _unknown(key: str, where: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r} in {where}{hint}")
 
 
+def _kind(key: str) -> tuple[type, bool]:
+    """The type of `key`'s values, and whether it may be None (`int | None`)."""
+    kind = KEYS[key]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(t for t in typing.get_args(kind) if t is not type(None)), True
+    return kind, False
+
+
 def _convert(key: str, value, from_text: bool):
     """`value` (TOML-typed, or command-line text) as the type of `key`."""
-    kind, optional = KEYS[key], False
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None`
-        kind, optional = next(t for t in typing.get_args(kind) if t is not type(None)), True
+    kind, optional = _kind(key)
     if optional and (value is None or from_text and value.lower() in ("none", "null")):
         return None
     try:
@@ -251,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         if key not in KEYS:
             raise _unknown(key, "the command line")
         if not eq:
-            if KEYS[key] is bool and (not rest or rest[0].startswith("--")):
+            if _kind(key)[0] is bool and (not rest or rest[0].startswith("--")):
                 value = "true"  # a bare boolean flag
             elif rest:
                 value = rest.pop(0)
@@ -342,7 +348,7 @@ def to_toml(cfg: Config) -> str:
             return "true" if v else "false"
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v) if isinstance(v, str) else repr(v)
+        return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)  # TOML has no surrogate escapes
 
     top, sections = [], []
     for f in fields(cfg):

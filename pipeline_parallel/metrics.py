@@ -57,7 +57,16 @@ def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}, record {i + 1}, is not JSON: {line[:80]!r}") from None
+            # a last line cut off by a kill or a full disk: that record is lost, the run is not
+    return records
 
 
 def plot_loss(metrics_path: str | Path, png_path: str | Path) -> str:

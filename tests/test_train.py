@@ -110,6 +110,12 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     cfg = parse_args(["--config", str(toml), "--optim.min-lr=0.5", "--log.plot", "false", "--resume"])
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.data.path, cfg.pipeline.layer_counts) == (1.0, 0.5, ["one.txt"], [1, 3])
     assert (cfg.log.plot, cfg.resume, cfg.run_dir) == (False, "latest", "r")
+    # A bare flag also sets a key that may be None; text outside the BMP survives the saved TOML.
+    cfg = parse_args(["--model.tie-word-embeddings", "--export.prompt", "# \U0001F40D def", "--train.max_steps", "5"])
+    assert (cfg.model.tie_word_embeddings, cfg.train.max_steps) == (True, 5)
+    saved = tmp_path / "saved.toml"
+    saved.write_text(to_toml(cfg), encoding="utf-8")
+    assert load_config(saved).export.prompt == "# \U0001F40D def"
     (tmp_path / "again.toml").write_text(to_toml(cfg))
     assert load_config(tmp_path / "again.toml") == cfg
 
@@ -155,6 +161,15 @@ def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     for group in trainer.optimizer.param_groups:
         assert group["weight_decay"] == 0.0 and group["betas"][0] == 0.5 and group["eps"] == 1e-3
     assert trainer.optimizer.state  # the moments were loaded
+
+
+def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match="record 1, is not JSON"):
+        read_metrics(path)
 
 
 def test_measured_idle_share_is_logged(runs):
