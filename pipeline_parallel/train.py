@@ -147,24 +147,33 @@ class Trainer:
 
     def _resume_or_start(self, path: Path | None) -> None:
         cfg = self.cfg
-        if self.rank == 0:
+        if path is not None:
+            self._resume(path)
+        elif cfg.hf_model:
+            load_hf_weights(self.pipe.model, cfg.hf_model)
+        if self.rank == 0:  # only once the checkpoint was accepted: a refused resume leaves the run as it was
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             if self.data.tokenizer.hf is not None or cfg.data.tokenizer:  # keep a copy for export
                 self.data.tokenizer.save(self.run_dir / TOKENIZER_DIR)
-        if path is None:
-            if cfg.hf_model:
-                load_hf_weights(self.pipe.model, cfg.hf_model)
-            return
+
+    def _resume(self, path: Path) -> None:
+        """Load `path` after checking it was trained on this model, tokenizer and data."""
         extra = read_extra(path)
         saved = {k: extra["model_config"].get(k) for k in ARCH_KEYS}
         current = {k: self.model_config.get(k) for k in ARCH_KEYS}
         if saved != current:
             raise ConfigError(f"{path} holds a different model ({saved}) than configured ({current})")
+        if extra.get("tokenizer", self.data.tokenizer.fingerprint()) != self.data.tokenizer.fingerprint():
+            raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
+                              "the tokenizer it was trained with, or start a new run_dir")
+        try:
+            self.batches.load_state_dict(extra["data"])
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             load_checkpoint(path, self.pipe.model, self.optimizer)
-        set_hyperparameters(self.optimizer, cfg.optim)  # the config's, not the checkpoint's
-        self.batches.load_state_dict(extra["data"])
+        set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")
 
@@ -218,7 +227,7 @@ class Trainer:
 
     def save(self) -> None:
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
-                 "model_config": self.model_config}
+                 "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint()}
         with warnings.catch_warnings():  # DCP's note that a 1-rank run saves "in a single process"
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,

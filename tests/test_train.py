@@ -163,6 +163,18 @@ def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     assert trainer.optimizer.state  # the moments were loaded
 
 
+def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(runs, corpus, tmp_path):
+    whole = runs[0]
+    text = corpus[0].read_text()
+    other = train_bpe([text[len(text) // 2:] + text[: len(text) // 2].upper()], vocab_size=320)
+    other.save(tmp_path)
+    assert other.vocab_size == 320  # the same model shape: only the tokenizer tells them apart
+    kept = {name: (whole / name).read_bytes() for name in ("config.toml", "tokenizer/tokenizer.json")}
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        Trainer(make_cfg(whole, corpus, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
+    assert {name: (whole / name).read_bytes() for name in kept} == kept
+
+
 def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
