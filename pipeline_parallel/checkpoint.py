@@ -30,7 +30,7 @@ CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
 LATEST = "latest"  # text file naming the newest complete checkpoint
 META = "meta.json"  # step, world size, the caller's `extra`
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
 _STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 # Flattened optimizer state is keyed by parameter FQN ("state.<fqn>.exp_avg",
 # "param_groups.<fqn>.lr"), so any pipeline split can load any other split's.
@@ -204,11 +204,19 @@ def _is_complete(path: Path) -> bool:
 
 
 def _step_dirs(ckpt_dir: Path) -> list[Path]:
-    """Published checkpoint directories, oldest step first."""
+    """Published checkpoint directories, oldest step first.
+
+    `step_N.old` stands for step N while `step_N` is missing: `_commit` crashed between
+    moving a re-saved step aside and renaming its replacement into place.
+    """
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m[1]), p) for p in ckpt_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found: dict[int, Path] = {}
+    for path in ckpt_dir.iterdir():
+        if m := _STEP_DIR.match(path.name):
+            step = int(m[1])
+            found[step] = found.get(step, path) if m[2] else path
+    return [found[step] for step in sorted(found)]
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -242,6 +250,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def prepare() -> None:  # leftovers of crashed saves are never loadable: drop them
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for path in _step_dirs(ckpt_dir):  # but a step a crashed re-save moved aside is still published
+            if path.suffix == ".old":
+                os.replace(path, path.with_suffix(""))
         for path in ckpt_dir.iterdir():
             if _STALE_DIR.match(path.name):
                 shutil.rmtree(path, ignore_errors=True)

@@ -24,6 +24,7 @@ from pipeline_parallel.checkpoint import (
     UnsafeCheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    read_extra,
     save_checkpoint,
 )
 
@@ -235,6 +236,29 @@ def test_keep_last_and_latest_pointer(tmp_path):
     save_checkpoint(tmp_path, 4, model, opt, {"step": "again"}, keep_last=2)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000003", "step_000004"]
     assert load_checkpoint(latest_checkpoint(tmp_path), model, opt) == {"step": "again"}
+
+
+def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=2)
+    real_replace = os.replace
+
+    def crash_on_rename_into_place(src, dst):  # step 2 is already moved aside to step_000002.old
+        if str(src).endswith("step_000002.tmp"):
+            raise OSError("simulated crash")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", crash_on_rename_into_place)
+    with pytest.raises(OSError, match="simulated crash"):  # e.g. re-saving step 2 after resuming from step 1
+        save_checkpoint(tmp_path, 2, model, opt, {"step": "again"}, keep_last=2)
+    monkeypatch.undo()
+    assert read_extra(latest_checkpoint(tmp_path)) == {"step": 2}  # not step 1
+    save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last=2)  # must not drop step 2
+    ckpt_dir = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert load_checkpoint(ckpt_dir / "step_000002", model, opt) == {"step": 2}
 
 
 def test_tied_embeddings_load_untied(tmp_path):
