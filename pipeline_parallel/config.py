@@ -17,6 +17,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from .checkpoint import is_checkpoint
 from .models import PRESETS, LlamaConfig
 from .partition import check_layer_counts
 from .schedules import build_schedule
@@ -144,6 +145,11 @@ def _keys(cls=Config, prefix: str = "") -> dict[str, type]:
 
 
 KEYS = _keys()
+
+
+def settings(cfg: Config) -> dict[str, object]:
+    """Every dotted key's value, e.g. {"optim.lr": 3e-4, ...}: what two configs are compared by."""
+    return {key: _get(cfg, key) for key in KEYS}
 
 
 def _unknown(key: str, where: str) -> ConfigError:
@@ -301,8 +307,11 @@ def validate(cfg: Config, world_size: int) -> None:
     check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
     check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")
-    check(cfg.resume in ("auto", "latest", "never") or Path(cfg.resume).is_dir(),
-          f"resume must be auto, latest, never or an existing checkpoint directory, got {cfg.resume!r}")
+    if cfg.resume not in ("auto", "latest", "never"):
+        hint = (f"; {cfg.resume} is a run directory: give it as run_dir with resume = latest, or name one of "
+                "its checkpoints/step_* directories" if (Path(cfg.resume) / "checkpoints").is_dir() else "")
+        check(is_checkpoint(cfg.resume), "resume must be auto, latest, never or a complete checkpoint directory "
+                                         f"(run_dir/checkpoints/step_NNNNNN), got {cfg.resume!r}{hint}")
     for key in ("train.batch_size", "train.grad_accum_steps", "train.max_steps", "pipeline.num_microbatches",
                 "data.seq_len", "log.interval"):
         check(_get(cfg, key) >= 1, f"{key} must be >= 1, got {_get(cfg, key)}")

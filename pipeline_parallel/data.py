@@ -120,7 +120,7 @@ def _hf_documents(spec: str, field: str) -> Iterator[str]:
     try:
         ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as e:
-        raise RuntimeError(
+        raise OSError(
             f"the `datasets` library could not load {name!r} ({type(e).__name__}: {e}); check the "
             "name and the network, or save the data to local files and give their path"
         ) from e

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
-from .config import Config, ConfigError, llama_config, parse_args, to_toml, validate
+from .config import Config, ConfigError, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import EXPORT_DIR, TOKENIZER_DIR, export, hf_config_dict, load_hf_weights
 from .generate import sample
@@ -63,6 +63,33 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+_DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading
+
+
+def _describe(error: Exception | None) -> tuple[bool, str] | None:
+    return None if error is None else (isinstance(error, _DATA_FAULTS), str(error))
+
+
+def _all_gather(value) -> list:
+    """`value` from every rank, in rank order ([value] without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _check_same_settings(cfg: Config) -> None:
+    """Refuse ranks started with different settings: they would hang (max_steps) or silently disagree (lr)."""
+    ranks = _all_gather(settings(cfg))
+    for rank, theirs in enumerate(ranks[1:], start=1):
+        differ = [f"{k} = {ranks[0][k]!r} on rank 0 but {v!r} on rank {rank}" for k, v in theirs.items()
+                  if v != ranks[0][k]]
+        if differ:
+            raise ConfigError(f"the ranks were started with different settings: {'; '.join(differ)}; launch "
+                              "every rank with the same config file and overrides")
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the gradients stopped being finite; raised on every rank before the update."""
 
@@ -71,9 +98,13 @@ class Trainer:
     """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
 
     def __init__(self, cfg: Config):
-        validate(cfg, world_size())  # before any rank waits on another
+        if dist.is_initialized():  # the caller's group: agree first, or validate could fail on some ranks only
+            _check_same_settings(cfg)
+        validate(cfg, world_size())  # before joining torchrun's group: no rank waits on a failed one
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.device, self.owns_group = setup_distributed(cfg)
+        if self.owns_group:
+            _check_same_settings(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
@@ -97,8 +128,11 @@ class Trainer:
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
                              autocast_dtype=autocast, seed=cfg.seed)
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
-        self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,
-                                    need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
+        try:  # the same data on every rank, so the same outcome
+            self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,
+                                        need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
+        except ValueError as e:
+            raise ConfigError(f"train.batch_size: {e}") from None
         m = cfg.pipeline.num_microbatches
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
         self.step, self.tokens, self.checkpoint = 0, 0, None
@@ -120,7 +154,11 @@ class Trainer:
         return bool(flag.item())
 
     def _rank0_first(self, fn):
-        """Run `fn` on rank 0, then on the others (they reuse what rank 0 cached); failures raise everywhere."""
+        """Run `fn` on rank 0, then on the others (they reuse what rank 0 cached); failures raise everywhere.
+
+        A fault of the data or its settings (a missing file, too little text, ...) becomes one
+        ConfigError with the same message on every rank, so the program prints it once.
+        """
         result = None
         for turn in (True, False):
             error = None
@@ -129,8 +167,12 @@ class Trainer:
                     result = fn()
                 except Exception as e:
                     error = e
-            if not self._all_ok(error is None):
-                raise error or RuntimeError("another rank failed preparing the data; see its error")
+            failed = [(rank, *f) for rank, f in enumerate(_all_gather(_describe(error))) if f is not None]
+            if failed:
+                rank, is_data_fault, message = failed[0]
+                if is_data_fault:
+                    raise ConfigError(f"data: {message}") from error
+                raise error or RuntimeError(f"rank {rank} failed preparing the data: {message}")
         return result
 
     def _checkpoint_to_resume(self) -> Path | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -152,6 +153,43 @@ def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
     missing = {"data.path": [str(tmp_path / "no-such-file.txt")]}  # never read: the resume error comes first
     with pytest.raises(ConfigError, match="resume = latest, but .* holds no checkpoint"):
         run(make_cfg(tmp_path / "new", corpus, resume="latest", **missing))
+
+
+def _start_with_rank_settings(rank, world_size, cfg):
+    with pytest.raises(ConfigError) as error:
+        Trainer(with_overrides(cfg, **{"train.max_steps": 4 + rank, "optim.lr": 1e-2 * (rank + 1)}))
+    return str(error.value)
+
+
+def test_ranks_started_with_different_settings_fail_together(corpus, tmp_path):
+    messages = run_distributed(_start_with_rank_settings, 2, make_cfg(tmp_path, corpus), timeout=30)
+    assert messages[0] == messages[1]  # without the check: a hang (max_steps) or silent disagreement (lr)
+    assert "train.max_steps = 4 on rank 0 but 5 on rank 1; optim.lr = 0.01 on rank 0 but 0.02" in messages[0]
+
+
+def _start(rank, world_size, cfg):
+    with pytest.raises(ConfigError) as error:
+        Trainer(cfg)
+    return str(error.value)
+
+
+def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text(corpus[0].read_text()[:2000])  # about 40 sequences: fewer than a batch of 64
+    for overrides, message in (
+            ({"data.path": [str(tmp_path / "missing.txt")]}, "data: .*missing.txt"),
+            ({"data.path": [str(small)], "train.batch_size": 64}, "train.batch_size: .* fewer than batch_size 64"),
+            ({"data.path": [str(small)], "data.seq_len": 64, "data.max_tokens": 60}, "data: .* only 60 tokens")):
+        messages = run_distributed(_start, 2, make_cfg(tmp_path / "new", corpus, **overrides), timeout=30)
+        assert messages[0] == messages[1]
+        assert re.search(message, messages[0]), messages[0]
+    with pytest.raises(ConfigError, match="is a run directory: give it as run_dir with resume = latest"):
+        validate(make_cfg(tmp_path / "new", corpus, resume=str(runs[0])), 2)
+    half_written = runs[0] / "checkpoints" / "step_000006.tmp"
+    half_written.mkdir()
+    with pytest.raises(ConfigError, match="a complete checkpoint directory"):
+        validate(make_cfg(tmp_path / "new", corpus, resume=str(half_written)), 2)
+    half_written.rmdir()
 
 
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
