@@ -321,6 +321,9 @@ def validate(cfg: Config, world_size: int) -> None:
                 "export.top_k", "num_threads"):
         check(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
     check(o.lr > 0 and o.min_lr <= o.lr, f"need 0 < optim.lr and optim.min_lr <= optim.lr, got {o.lr}, {o.min_lr}")
+    check(o.lr_decay_steps == 0 or o.lr_decay_steps > o.warmup_steps,
+          f"optim.lr_decay_steps {o.lr_decay_steps} must come after optim.warmup_steps {o.warmup_steps} "
+          "(the cosine decays from the end of the warmup), or be 0 to decay until train.max_steps")
     check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
     check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
     check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")

@@ -100,7 +100,8 @@ def test_config_errors(tmp_path, corpus):
     for key, value, message in (("export.temperature", -1.0, "export.temperature must be >= 0"),
                                 ("export.top_k", -3, "export.top_k must be >= 0"),
                                 ("data.vocab_size", 10, "data.vocab_size must be at least 257"),
-                                ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1")):
+                                ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1"),
+                                ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after")):
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
 
