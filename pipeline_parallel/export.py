@@ -119,7 +119,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    _check_replaceable(out_dir)
+    check_replaceable(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -136,7 +136,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     return out_dir
 
 
-def _check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Path) -> None:
     """Refuse to replace a directory that holds anything but a model: it would be deleted."""
     if not out_dir.exists():
         return

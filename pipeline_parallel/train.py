@@ -16,7 +16,7 @@ from tqdm import tqdm
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .config import Config, ConfigError, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import EXPORT_DIR, TOKENIZER_DIR, export, hf_config_dict, load_hf_weights
+from .export import EXPORT_DIR, TOKENIZER_DIR, check_replaceable, export, hf_config_dict, load_hf_weights
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
@@ -108,6 +108,11 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
+        if cfg.export.at_end:  # found now, not after the whole run has trained
+            try:
+                check_replaceable(self.run_dir / EXPORT_DIR)
+            except FileExistsError as e:
+                raise ConfigError(f"export.at_end: {e}") from None
 
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(

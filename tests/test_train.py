@@ -191,6 +191,10 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
     with pytest.raises(ConfigError, match="a complete checkpoint directory"):
         validate(make_cfg(tmp_path / "new", corpus, resume=str(half_written)), 2)
     half_written.rmdir()
+    (tmp_path / "new" / "export").mkdir(parents=True)
+    (tmp_path / "new" / "export" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="export.at_end: .*export exists and is not a Hugging Face model"):
+        Trainer(make_cfg(tmp_path / "new", corpus, **{"export.at_end": True}))
 
 
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
