@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import stat
 import warnings
 from pathlib import Path
 
@@ -131,6 +133,8 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
+    # safetensors creates its file owner-only (0600); give it the permissions the other files got
+    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir

@@ -31,6 +31,8 @@ def trained(tmp_path_factory, corpus):  # noqa: F811
 def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     run_dir, cfg = trained
     out, _, _ = export(run_dir, tmp_path / "hf")
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # others may read it where they may read the rest
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
 
