@@ -32,24 +32,31 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def setup_distributed(cfg: Config) -> tuple[torch.device, bool]:
-    """This rank's device and CPU threads; joins the torchrun process group unless one exists.
+def join_group(cfg: Config) -> bool:
+    """Join torchrun's process group unless there is one; returns whether this call created it."""
+    if world_size() == 1 or dist.is_initialized():
+        return False
+    if _use_cuda(cfg):
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+    else:
+        dist.init_process_group("gloo")
+    return True
 
-    Returns (device, whether this call created the process group and so must destroy it).
-    """
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
+
+def setup_device(cfg: Config) -> torch.device:
+    """This rank's device; on CPU also its share of the node's cores."""
+    if _use_cuda(cfg):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(cfg.num_threads or max(1, cores // local_ranks))
-    owns_group = world_size() > 1 and not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return device, owns_group
+        return device
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(cfg.num_threads or max(1, cores // local_ranks))
+    return torch.device("cpu")
+
+
+def _use_cuda(cfg: Config) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
@@ -98,13 +105,11 @@ class Trainer:
     """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
 
     def __init__(self, cfg: Config):
-        if dist.is_initialized():  # the caller's group: agree first, or validate could fail on some ranks only
-            _check_same_settings(cfg)
-        validate(cfg, world_size())  # before joining torchrun's group: no rank waits on a failed one
+        self.owns_group = join_group(cfg)
+        _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
+        validate(cfg, world_size())
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.device, self.owns_group = setup_distributed(cfg)
-        if self.owns_group:
-            _check_same_settings(cfg)
+        self.device = setup_device(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
@@ -363,11 +368,22 @@ def run(cfg: Config) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: a config error or divergence ends every rank with one line (printed by rank 0)."""
+    """Console entry point: a config error or divergence ends every rank with one line, no traceback.
+
+    A rank that cannot read its command line says so itself (they have not met yet); once the
+    ranks have met and agreed on the settings, every error is raised alike everywhere and rank 0
+    prints it.
+    """
+    rank = int(os.environ.get("RANK", 0))
     try:
-        run(parse_args(argv))
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run(cfg)
     except (ConfigError, TrainingDiverged) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
 

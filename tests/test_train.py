@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -156,16 +158,26 @@ def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
         run(make_cfg(tmp_path / "new", corpus, resume="latest", **missing))
 
 
-def _start_with_rank_settings(rank, world_size, cfg):
-    with pytest.raises(ConfigError) as error:
-        Trainer(with_overrides(cfg, **{"train.max_steps": 4 + rank, "optim.lr": 1e-2 * (rank + 1)}))
-    return str(error.value)
+def _main_with_rank_settings(rank, world_size, run_dir):
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        main(["--run-dir", run_dir, "--train.max_steps", str(4 + rank), "--optim.lr", str(0.01 * (rank + 1))])
+    return exit_info.value.code, stderr.getvalue()
 
 
-def test_ranks_started_with_different_settings_fail_together(corpus, tmp_path):
-    messages = run_distributed(_start_with_rank_settings, 2, make_cfg(tmp_path, corpus), timeout=30)
-    assert messages[0] == messages[1]  # without the check: a hang (max_steps) or silent disagreement (lr)
-    assert "train.max_steps = 4 on rank 0 but 5 on rank 1; optim.lr = 0.01 on rank 0 but 0.02" in messages[0]
+def test_ranks_started_with_different_settings_fail_together(tmp_path, monkeypatch):
+    (code0, said0), (code1, said1) = run_distributed(_main_with_rank_settings, 2, str(tmp_path), timeout=30)
+    assert (code0, code1, said1) == (2, 2, "")  # without the check: a hang (max_steps), or training apart (lr)
+    assert said0.startswith("error: the ranks were started with different settings: train.max_steps = 4 on rank 0 "
+                            "but 5 on rank 1; optim.lr = 0.01 on rank 0 but 0.02 on rank 1"), said0
+    # A rank that cannot even read its command line has not met the others: it reports itself.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(tmp_path / "only-on-rank-0.toml")])
+    assert exit_info.value.code == 2
+    assert stderr.getvalue().startswith("error: rank 1: config file"), stderr.getvalue()
 
 
 def _start(rank, world_size, cfg):
