@@ -98,6 +98,10 @@ def _from_tokenizers(backend, source) -> Tokenizer:
     )
 
 
+# The files a tokenizer directory is loaded from: fast, SentencePiece, byte-level BPE, WordPiece.
+_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a `tokenizer.json` file, or a directory `AutoTokenizer` can load offline."""
     from tokenizers import Tokenizer as RawTokenizer
@@ -110,6 +114,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
     if path.is_file():
         return _from_tokenizers(RawTokenizer.from_file(str(path)), path)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):  # transformers 5 would give an empty one
+        raise ValueError(
+            f"directory {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); give data.tokenizer "
+            "a tokenizer.json or tokenizer directory (a model saved without its tokenizer needs one)")
     try:
         from transformers import AutoTokenizer
 

@@ -125,6 +125,10 @@ def test_transformers_tokenizer_directory(tmp_path):
     assert loaded.encode("the lazy dog") == tok.encode("the lazy dog")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
+    (tmp_path / "model").mkdir()  # a model saved without its tokenizer: transformers 5 loads an empty one
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="holds no tokenizer .*give data.tokenizer"):
+        load_tokenizer(tmp_path / "model")
 
 
 # --- packing, caching, split ---------------------------------------------------------------------
