@@ -26,6 +26,8 @@ from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
+WEIGHTS_FILE = "model.safetensors"
+_EXPORT_MARK = {"exported_by": "pipeline_parallel"}  # in the weights' metadata: an export may be replaced
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -128,31 +130,42 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **_EXPORT_MARK})
     config = type(model.config).from_dict(model.config.to_dict())
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
-    os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
+    os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
 
 
 def check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace a directory that holds anything but a model: it would be deleted."""
+    """Refuse to replace a directory that is not an earlier export: it would be deleted."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file; give a directory to export into")
     entries = list(out_dir.iterdir())
-    is_model = (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors"))
-    if entries and not (is_model and all(entry.is_file() for entry in entries)):
+    if entries and not (_is_export(out_dir) and all(entry.is_file() for entry in entries)):
         raise FileExistsError(
-            f"{out_dir} exists and is not a Hugging Face model directory (it holds "
+            f"{out_dir} exists and is not an earlier export (it holds "
             f"{', '.join(sorted(e.name for e in entries)[:5])}{', ...' if len(entries) > 5 else ''}); exporting "
-            "replaces the whole directory, so give a new or empty one, or an earlier export")
+            "replaces the whole directory, so give a new or empty one")
+
+
+def _is_export(out_dir: Path) -> bool:
+    """Whether `out_dir` was written by `save_hf_model` (its weights carry our mark), not some other model."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(out_dir / WEIGHTS_FILE), "pt") as f:
+            metadata = f.metadata() or {}
+    except Exception:  # missing or not safetensors
+        return False
+    return all(metadata.get(key) == value for key, value in _EXPORT_MARK.items())
 
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):

@@ -77,7 +77,7 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
 def test_export_replaces_only_an_earlier_export(trained, tmp_path):
     run_dir, _ = trained
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    with pytest.raises(FileExistsError, match="not a Hugging Face model directory"):
+    with pytest.raises(FileExistsError, match="not an earlier export"):
         export(run_dir, run_dir)  # would have deleted the run's checkpoints
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints
     notes = tmp_path / "notes"
@@ -86,9 +86,13 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path):
     with pytest.raises(FileExistsError, match="todo.txt"):
         export(run_dir, notes)
     assert (notes / "todo.txt").read_text() == "mine"
-    out, _, _ = export(run_dir, tmp_path / "hf")
+    out, model, _ = export(run_dir, tmp_path / "hf")
     assert export(run_dir, out)[0] == out  # an earlier export is replaced
     assert (out / "config.json").is_file()
+    model.save_pretrained(tmp_path / "source-model")  # say, the model the run started from
+    with pytest.raises(FileExistsError, match="not an earlier export"):
+        export(run_dir, tmp_path / "source-model")
+    assert (tmp_path / "source-model" / "model.safetensors").is_file()
 
 
 def _first_loss(rank, world_size, cfg):
