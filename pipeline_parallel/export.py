@@ -171,8 +171,9 @@ def _is_export(out_dir: Path) -> bool:
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):
     """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
     checkpoint = resolve_checkpoint(path)
-    model, tokenizer = load_full_model(checkpoint, group)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
+    check_replaceable(out_dir)  # before the (long) load, not after it
+    model, tokenizer = load_full_model(checkpoint, group)
     return save_hf_model(model, tokenizer, out_dir, dtype), model, tokenizer
 
 
@@ -182,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="output directory (default: RUN_DIR/export)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
-    out_dir, model, _ = export(args.path, args.out, args.dtype)
+    try:
+        out_dir, model, _ = export(args.path, args.out, args.dtype)
+    except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable, a corrupt checkpoint
+        parser.exit(2, f"error: {e}\n")
     print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")
 
 

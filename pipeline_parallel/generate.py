@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, lowest in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1)):
         if not getattr(args, name) >= lowest:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
-    model, tokenizer = load_model(args.path)
+    try:
+        model, tokenizer = load_model(args.path)
+    except (OSError, ValueError) as e:  # nothing loadable there
+        parser.exit(2, f"error: {e}\n")
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")

@@ -12,7 +12,7 @@ from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is
 
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
 from pipeline_parallel.data import TokenBatches, eval_batches, prepare_data
-from pipeline_parallel.export import export, load_full_model, save_hf_model
+from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.tokenizer import load_tokenizer
@@ -71,10 +71,13 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit):  # before loading anything
         generate_main([str(out), "--temperature", "-1"])
     assert "--temperature must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(tmp_path / "nothing-here")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_export_replaces_only_an_earlier_export(trained, tmp_path):
+def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     run_dir, _ = trained
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     with pytest.raises(FileExistsError, match="not an earlier export"):
@@ -93,6 +96,10 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path):
     with pytest.raises(FileExistsError, match="not an earlier export"):
         export(run_dir, tmp_path / "source-model")
     assert (tmp_path / "source-model" / "model.safetensors").is_file()
+    capsys.readouterr()  # save_pretrained's progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
 
 
 def _first_loss(rank, world_size, cfg):
