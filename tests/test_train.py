@@ -205,7 +205,7 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
     half_written.rmdir()
     (tmp_path / "new" / "export").mkdir(parents=True)
     (tmp_path / "new" / "export" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="export.at_end: .*export exists and is not a Hugging Face model"):
+    with pytest.raises(ConfigError, match="export.at_end: .*export exists and is not an earlier export"):
         Trainer(make_cfg(tmp_path / "new", corpus, **{"export.at_end": True}))
 
 
