@@ -18,7 +18,7 @@ from _dist import run_distributed
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
 from pipeline_parallel.export import load_full_model
-from pipeline_parallel.metrics import read_metrics
+from pipeline_parallel.metrics import MetricsLogger, read_metrics
 from pipeline_parallel.tokenizer import train_bpe
 from pipeline_parallel.train import Trainer, TrainingDiverged, main, run
 
@@ -237,6 +237,25 @@ def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
     path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
     with pytest.raises(ValueError, match="record 1, is not JSON"):
         read_metrics(path)
+
+
+def test_tensorboard_events_read_as_one_run_after_a_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path)
+    for step in range(1, 5):  # the run is killed after step 4, its last checkpoint at step 2
+        first.log({"step": step, "loss": float(step), "note": "text is not a scalar"})
+    first.close()
+    resumed = MetricsLogger(tmp_path, start_step=2)
+    for step in range(3, 6):
+        resumed.log({"step": step, "loss": 10.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["loss"]
+    want = [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]  # steps 3-4 of the killed run purged
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == want
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == want
 
 
 def test_measured_idle_share_is_logged(runs):
