@@ -37,7 +37,7 @@ def join_group(cfg: Config) -> bool:
     if world_size() == 1 or dist.is_initialized():
         return False
     if _use_cuda(cfg):
-        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        dist.init_process_group("nccl", device_id=_local_gpu())
     else:
         dist.init_process_group("gloo")
     return True
@@ -46,7 +46,7 @@ def join_group(cfg: Config) -> bool:
 def setup_device(cfg: Config) -> torch.device:
     """This rank's device; on CPU also its share of the node's cores."""
     if _use_cuda(cfg):
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = _local_gpu()
         torch.cuda.set_device(device)
         return device
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -57,6 +57,10 @@ def setup_device(cfg: Config) -> torch.device:
 
 def _use_cuda(cfg: Config) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _local_gpu() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
