@@ -123,7 +123,12 @@ class Pipeline:
     def evaluate(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """The loss of one batch in eval mode (no dropout), forward only (no graph kept, gradients untouched), on
         every rank."""
-        return self._run(input_ids, labels, training=False)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._run(input_ids, labels, training=False)
+        finally:
+            self.model.train(was_training)
 
     def _run(self, input_ids, labels, training: bool) -> float:
         info = agree_on_batch(
@@ -147,12 +152,7 @@ class Pipeline:
             self.program = self._program(self.config, self.layer_counts, info.seq_len)
         program = self.program if training else self._eval_program
         start = time.perf_counter()
-        was_training = self.model.training
-        self.model.train(was_training and training)  # evaluation runs without dropout
-        try:
-            loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
-        finally:
-            self.model.train(was_training)
+        loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
 
