@@ -159,14 +159,6 @@ class Trainer:
         if self.rank == rank:
             tqdm.write(message)
 
-    def _all_ok(self, ok: bool) -> bool:
-        """Barrier that tells every rank whether all succeeded, so none waits on a failed one."""
-        if not dist.is_initialized():
-            return ok
-        flag = torch.tensor([int(ok)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def _rank0_first(self, fn):
         """Run `fn` on rank 0, then on the others (they reuse what rank 0 cached); failures raise everywhere.
 
@@ -334,13 +326,11 @@ class Trainer:
         """Loss plot, Hugging Face export and a sample on the reporting rank; then leave the group."""
         # The reporter loads the whole model from the checkpoint alone, in a group of its own.
         solo = dist.new_group([self.pipe.comm.global_ranks[-1]], backend="gloo") if dist.is_initialized() else None
-        ok = False
         try:
             if self.reporter:
                 self._report(solo)
-            ok = True
         finally:
-            self._all_ok(ok)  # the others wait for the export, so the group outlives it
+            _all_gather(None)  # a barrier: the others wait for the export, so the group outlives it
         if self.owns_group:
             dist.destroy_process_group()
 
