@@ -32,6 +32,8 @@ class Pipeline:
     `split` is how many of each rank's last backwards send their input gradient before making
     their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
     which backwards to split with the estimated stage costs (see `schedules.choose_split`).
+    `seq_len` is the sequence length the default split of layers is balanced for: attention's
+    share of a layer's cost grows with it, the head's does not.
     After each step, `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds, for timelines and `schedules.simulate`, and `last_step_seconds`
     how long its schedule ran (the rank was idle for the rest, waiting on other ranks).
@@ -49,6 +51,7 @@ class Pipeline:
         autocast_dtype: torch.dtype | None = None,
         seed: int = 0,
         split: int | None = None,
+        seq_len: int = 2048,
     ):
         self.device = torch.device(device) if device is not None else _default_device()
         self.comm = PipeComm(group, self.device)
@@ -60,13 +63,13 @@ class Pipeline:
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
             model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
-            split=split,
+            split=split, seq_len=seq_len,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
         on_meta = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             _check_autocast_dtype(autocast_dtype)
-            self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts)
+            self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
         except (TypeError, ValueError) as e:
             error = e
@@ -90,16 +93,19 @@ class Pipeline:
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
 
-    def _plan(self, model: nn.Module, layer_counts):
+    def _plan(self, model: nn.Module, layer_counts, seq_len: int):
         """Layers per stage and this rank's train and eval programs; raises on bad arguments
         (`build_schedule` checks the schedule, microbatch count and split)."""
         check_layout(model)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int (the sequence length to balance the stages for), "
+                             f"got {seq_len!r}")
         num_layers = len(model.model.layers)
         if layer_counts is None:
-            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config))
+            layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config, seq_len))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
-        train = self._program(model.config, layer_counts, 2048)
-        return layer_counts, train, self._program(model.config, layer_counts, 2048, forward_only=True)
+        train = self._program(model.config, layer_counts, seq_len)
+        return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
         """This rank's validated action list. The simulator picks how many backwards to split with the

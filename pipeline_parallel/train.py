@@ -140,7 +140,7 @@ class Trainer:
         autocast = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.pipe = Pipeline(model, cfg.pipeline.schedule, cfg.pipeline.num_microbatches,
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
-                             autocast_dtype=autocast, seed=cfg.seed)
+                             autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len)
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
         try:  # the same data on every rank, so the same outcome
             self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,

@@ -46,6 +46,7 @@ class Case:
     accumulate: bool = False  # the second step adds to the first's (clipped) gradients: no zero_grad between
     frozen: tuple = ()  # names of parameters with requires_grad=False
     reentrant_checkpointing: bool = False  # HF gradient checkpointing with use_reentrant=True
+    seq_len: int | None = None  # the sequence length the default split is balanced for (None: Pipeline's default)
     extra: dict = field(default_factory=dict)
 
     def __repr__(self):
@@ -68,6 +69,8 @@ CASES = {
         Case("w2-1f1b-m3", m=3, batch=6, seq2=11),
         Case("w2-uneven-3-1-gpipe", schedule="gpipe", m=3, batch=6, layer_counts=(3, 1)),
         Case("w2-uneven-1-3-1f1b", m=4, batch=4, layer_counts=(1, 3)),
+        # At 8 tokens the large head outweighs two layers' attention: [3, 1], where 2048 gives [2, 2].
+        Case("w2-balanced-for-seq-8-1f1b", m=2, vocab=1024, seq_len=8),
         Case("w2-tied-1f1b-m3", m=3, batch=6, tie=True, vocab=128),
         Case("w2-tied-gpipe-m2", schedule="gpipe", m=2, tie=True, only_owners=True),
         Case("w2-qwen2-gpipe-m3", kind="qwen2", schedule="gpipe", m=3, batch=6),
@@ -127,7 +130,8 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         counts = list(case.layer_counts) if case.layer_counts else None
         pipe = pp.Pipeline(model, schedule=case.schedule, num_microbatches=case.m, layer_counts=counts,
-                           device="cpu", seed=7, group=group, split=case.split)
+                           device="cpu", seed=7, group=group, split=case.split,
+                           **({"seq_len": case.seq_len} if case.seq_len else {}))
         error = None
     except Exception:
         error = traceback.format_exc()
@@ -239,7 +243,8 @@ def test_pipeline_matches_single_process(results, world_size, index, case):
     ref = _reference(case, index)
     counts = list(case.layer_counts) if case.layer_counts else None
     if counts is None:
-        counts = pp.balanced_layer_counts(case.layers, world_size, pp.estimate_costs(_build(case, True).config))
+        costs = pp.estimate_costs(_build(case, True).config, case.seq_len or 2048)
+        counts = pp.balanced_layer_counts(case.layers, world_size, costs)
     assert per_rank[0]["layer_counts"] == counts
     assert ref["norm"] > MAX_NORM, "the case must exercise clipping"
     seen = set()

@@ -209,6 +209,17 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
         Trainer(make_cfg(tmp_path / "new", corpus, **{"export.at_end": True}))
 
 
+def _layer_counts(rank, world_size, cfg):
+    return Trainer(cfg).pipe.layer_counts
+
+
+def test_stages_are_balanced_for_the_training_sequence_length(corpus, tmp_path):
+    """At 8 tokens a layer's attention is cheap, so the 320-token head outweighs a layer: the last
+    stage gets fewer layers than at Pipeline's default of 2048 tokens, where [3, 3] balances."""
+    cfg = make_cfg(tmp_path / "short", corpus, **{"model.num_hidden_layers": 6, "data.seq_len": 8})
+    assert run_distributed(_layer_counts, 2, cfg) == [[4, 2], [4, 2]]
+
+
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     changed = {"optim.weight_decay": 0.0, "optim.beta1": 0.5, "optim.eps": 1e-3}
     trainer = Trainer(make_cfg(runs[0], corpus, **changed))  # resumes at step 6 (saved on 2 ranks)
