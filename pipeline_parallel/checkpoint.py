@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -9,6 +10,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -105,6 +107,15 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_if_single_process():
+    """Without a process group dcp warns at every save and load that it assumes one process, which it is."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", "torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def _rank_and_size(group: Any) -> tuple[int, int]:
@@ -268,7 +279,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if optimizer is not None:
         state["optim"] = _add_tied_aliases(model, state["optim"])
     state["rng"] = {f"rank{rank}": rng}  # RNG is per rank: its own keys
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    with _quiet_if_single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
     _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
     _on_rank0(publish, rank, group, f"publish {final}; the previous checkpoint is untouched")
     if rank == 0 and keep_last > 0:
@@ -341,7 +353,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         raise ValueError(f"{path} lacks {len(missing)} entries rank {rank} needs, e.g. "
                          f"{missing[:3]}; was it saved from a different model or config?"
                          if missing else f"{path} lacks entries another rank needs (see its error)")
-    dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
+    with _quiet_if_single_process():
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

@@ -220,7 +220,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     assert names == ["latest", "step_000001", "step_000004"]
 
 
-def test_keep_last_and_latest_pointer(tmp_path):
+def test_keep_last_and_latest_pointer(tmp_path, recwarn):
     model = make_stage(0, 1)
     opt = train(model)
     assert latest_checkpoint(tmp_path) is None
@@ -236,6 +236,7 @@ def test_keep_last_and_latest_pointer(tmp_path):
     save_checkpoint(tmp_path, 4, model, opt, {"step": "again"}, keep_last=2)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000003", "step_000004"]
     assert load_checkpoint(latest_checkpoint(tmp_path), model, opt) == {"step": "again"}
+    assert not [str(w.message) for w in recwarn], "a single process saves and loads without warnings"
 
 
 def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
