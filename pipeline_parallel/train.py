@@ -20,6 +20,7 @@ from .export import EXPORT_DIR, TOKENIZER_DIR, check_replaceable, export, hf_con
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
+from .models.decoder import check_layout
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 
@@ -122,6 +123,12 @@ class Trainer:
                 check_replaceable(self.run_dir / EXPORT_DIR)
             except FileExistsError as e:
                 raise ConfigError(f"export.at_end: {e}") from None
+
+        if cfg.hf_model:  # a model the pipeline cannot run is found now, not after the data is prepared
+            try:
+                check_layout(build_model(cfg, vocab_size=0))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"hf_model: {e}") from None
 
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(

@@ -11,11 +11,13 @@ from _dist import run_distributed
 from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is a fixture)
 
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
+from pipeline_parallel.config import ConfigError
 from pipeline_parallel.data import TokenBatches, eval_batches, prepare_data
 from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.tokenizer import load_tokenizer
+from pipeline_parallel.train import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,20 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
+    """Gemma 2 caps its logits in forward, which a stage would skip: the run stops at once."""
+    config = transformers.Gemma2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(tmp_path / "gemma2"))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        setattr(cfg.model, key, None)
+    with pytest.raises(ConfigError, match=r"hf_model: Gemma2ForCausalLM \(model_type 'gemma2'\) is not supported"):
+        Trainer(cfg)
+    assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
 
 def _first_loss(rank, world_size, cfg):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .llama import seed_for_name
+
 
 @dataclass
 class DecoderParts:
@@ -28,8 +30,8 @@ class DecoderParts:
 
     @classmethod
     def of(cls, model: nn.Module, layer_indices: range, first: bool, last: bool) -> DecoderParts:
-        """The parts of `model` a stage owning `layer_indices` runs (the model itself is left as it is)."""
-        check_layout(model)
+        """The parts of `model` (whole, or cut to the stage by `keep_local_part`) a stage owning
+        `layer_indices` runs; the model itself is left as it is."""
         layers = model.model.layers
         owned = [(i, layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)]) for i in layer_indices]
         return cls(
@@ -83,6 +85,13 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
     return model.model.embed_tokens.weight
 
 
+# Hugging Face model types whose `*ForCausalLM.forward` computes nothing beyond the modules a stage
+# runs (embedding, layers, norm, head), checked against the unpipelined model by the tests. Others,
+# such as Gemma 2/3, Cohere and Granite, scale or cap the embeddings or logits in forward itself.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo",
+                         "olmo2", "stablelm", "starcoder2", "gemma")
+
+
 def check_layout(model: nn.Module) -> None:
     """Raise a clear error unless `model` has the decoder layout the pipeline splits."""
     inner = getattr(model, "model", None)
@@ -97,17 +106,37 @@ def check_layout(model: nn.Module) -> None:
         ]
         if owner is None or not hasattr(owner, attr)
     ]
-    if not missing and _scales_embeddings_outside(model):
-        raise TypeError(
-            f"{type(model).__name__} scales its embeddings inside the model's forward in this transformers "
-            "version, which a pipeline stage cannot reproduce; upgrade transformers to 5.x, where the "
-            "scaling lives in the embedding module"
-        )
     if missing or not hasattr(model, "config"):
         raise TypeError(
             f"{type(model).__name__} is not a supported decoder-only causal LM: missing {missing or ['config']}. "
             "Pass a Hugging Face model laid out as model.{embed_tokens, layers, norm, rotary_emb} + lm_head "
             "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, ...) or pipeline_parallel's own Llama"
+        )
+    if isinstance(inner.layers, nn.ModuleDict) or None in (inner.embed_tokens, inner.norm, model.lm_head):
+        raise ValueError(
+            f"this {type(model).__name__} holds one pipeline stage only (a Pipeline already split it); "
+            "pass the whole model, built anew or loaded from a checkpoint"
+        )
+    if not _is_hf_config(model.config):
+        return
+    model_type = str(getattr(model.config, "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TypeError(
+            f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
+            "model's modules, and some families (Gemma 2/3, Cohere, Granite, ...) also scale or cap embeddings "
+            f"or logits in their forward, which would silently train another function. Supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if _scales_embeddings_outside(model):
+        raise TypeError(
+            f"{type(model).__name__} scales its embeddings inside the model's forward in this transformers "
+            "version, which a pipeline stage cannot reproduce; upgrade transformers to 5.x, where the "
+            "scaling lives in the embedding module"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"{type(model).__name__} has output_router_logits=True: its forward adds the router's auxiliary "
+            "loss, which the pipeline's cross-entropy leaves out; set config.output_router_logits = False"
         )
 
 
@@ -212,8 +241,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
     """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
 
     With every parameter on meta (see `weights_on_meta`), all are made: our own Llama initialises
-    each parameter from (seed, name), so weights do not depend on the pipeline split; Hugging Face
-    models use their own `_init_weights`, and tied input/output embeddings stay one matrix.
+    each parameter from (seed, name) and Hugging Face models each module with their own
+    `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
+    input/output embeddings stay one matrix.
     Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
     """
     inner = model.model
@@ -226,10 +256,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
         with torch.no_grad():
             if hasattr(model, "init_weights") and not _is_hf_config(model.config):
                 model.init_weights(seed)
-            else:
-                torch.manual_seed(seed)
-                for module in model.modules():
-                    if module is not inner.rotary_emb:
+            else:  # each module from (seed, its name): the layers differ, whatever the split
+                skip = (inner.rotary_emb, model.lm_head if tied else None)  # a tied head is the embedding
+                for name, module in model.named_modules():
+                    if not any(module is m for m in skip):
+                        torch.manual_seed(seed_for_name(seed, name))
                         model._init_weights(module)
     elif not any(b.is_meta for b in inner.rotary_emb.buffers()):
         return

@@ -272,11 +272,16 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:  # CPU generator (it keeps only 32 seed bits), fp32: values independent of device and dtype
-                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                gen = torch.Generator().manual_seed(seed_for_name(seed, name))
                 p.copy_(torch.empty(p.shape).normal_(0.0, self.config.initializer_range, generator=gen))
         rotary = getattr(getattr(self, "model", None), "rotary_emb", None)
         if rotary is not None:
             rotary.reset_inv_freq()
+
+
+def seed_for_name(seed: int, name: str) -> int:
+    """The random seed of one parameter or module, from the run's seed and its full name alone."""
+    return zlib.crc32(f"{seed}:{name}".encode())
 
 
 def num_parameters(model: nn.Module) -> int:
