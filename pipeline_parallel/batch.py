@@ -88,6 +88,9 @@ def agree_on_batch(
     return BatchInfo(batch_size, seq_len, num_targets)
 
 
+_HINTS = {"mode": "every rank must call step() together, or evaluate() together"}
+
+
 def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None) -> None:
     """Raise the same clear error on every rank if any rank failed or the ranks' settings differ."""
     _gather_checked(comm, local_error, [-1] * 5, settings)
@@ -104,10 +107,8 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     for i, name in enumerate(names):
         by_rank = [row[offset + i] for row in rows]
         if len(set(by_rank)) > 1:
-            raise ValueError(
-                f"the pipeline ranks disagree on {name!r}: every rank must construct the pipeline and call the "
-                f"step with the same {name} (checksums by rank: {by_rank})"
-            )
+            what = _HINTS.get(name, f"every rank must construct the pipeline and call the step with the same {name}")
+            raise ValueError(f"the pipeline ranks disagree on {name!r}: {what} (checksums by rank: {by_rank})")
     return rows
 
 

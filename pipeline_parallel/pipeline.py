@@ -63,18 +63,23 @@ class Pipeline:
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
             model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
-            split=split, seq_len=seq_len,
+            split=split, seq_len=seq_len, seed=seed,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
-        on_meta = None
+        on_meta = dtypes = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             _check_autocast_dtype(autocast_dtype)
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
+            dtypes = [(name, str(p.dtype)) for name, p in model.named_parameters()]
+            # The residual stream between stages keeps the embedding's dtype (autocast computes in
+            # lower precision but adds in it), whatever dtype the stage's own layers hold.
+            self.activation_dtype = model.model.embed_tokens.weight.dtype
         except (TypeError, ValueError) as e:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
-        agree_on_settings(self.comm, {**self._settings, **fingerprint(weights_on_meta=on_meta)}, local_error=error)
+        agree_on_settings(self.comm, {**self._settings, **fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes)},
+                          local_error=error)
         self.config = model.config
 
         tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
@@ -89,7 +94,6 @@ class Pipeline:
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
             if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
                 self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
-        self.activation_dtype = next(model.parameters()).dtype
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
 
@@ -129,17 +133,19 @@ class Pipeline:
     def evaluate(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """The loss of one batch in eval mode (no dropout), forward only (no graph kept, gradients untouched), on
         every rank."""
-        was_training = self.model.training
+        modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         try:
             return self._run(input_ids, labels, training=False)
-        finally:
-            self.model.train(was_training)
+        finally:  # each module as it was: a user may keep some in eval mode while training
+            for module, training in modes:
+                module.training = training
 
     def _run(self, input_ids, labels, training: bool) -> float:
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
-            vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches, settings=self._settings,
+            vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches,
+            settings={**self._settings, **fingerprint(mode="step" if training else "evaluate")},
         )
         if info.num_target_tokens == 0:
             raise ValueError("every label of the batch is -100 (ignored): there is nothing to train on")

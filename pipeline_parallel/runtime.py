@@ -183,6 +183,7 @@ def run_step(
     is left waiting and the next step starts clean.
     """
     tied = tied_weight is not None and step.training
+    frozen = tied and not tied_weight.requires_grad  # then, as on one process, its .grad stays as it was
     accumulated = tied_weight.grad if tied else None
     if tied:
         tied_weight.grad = None  # this step's part alone is exchanged
@@ -191,18 +192,29 @@ def run_step(
         if tied:
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
             comm.exchange_add_(this_step, comm.pp_size - 1 if stage.is_first else 0)
-            tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
+            if frozen:
+                tied_weight.grad = accumulated
+            else:
+                tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
     except BaseException:  # a transfer failed (or an interrupt): the pipeline cannot finish the step
         stage.clear()
         raise
-    outcome = torch.zeros(2, dtype=torch.float64, device=comm.device)  # [loss, failed ranks], summed
+    # [loss, failed ranks, frozen ends of a tied weight], summed
+    outcome = torch.zeros(3, dtype=torch.float64, device=comm.device)
     if error is not None:
         outcome[1] = 1
     elif stage.is_last:
         outcome[0] = torch.stack(step.losses).sum().detach()
-    loss, failed = comm.all_reduce(outcome).tolist()
+    outcome[2] = frozen
+    loss, failed, frozen_ends = comm.all_reduce(outcome).tolist()
     if failed:
         _raise_step_failure(comm, error)
+    if frozen_ends == 1:
+        raise ValueError(
+            "the tied embedding is frozen at one end only: set requires_grad alike on model.embed_tokens.weight "
+            "(first rank) and lm_head.weight (last rank), which are one weight; this step's gradients of it differ "
+            "between the ends, so call zero_grad() before the next step"
+        )
     return loss
 
 

@@ -48,6 +48,14 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
     return (pipe.evaluate if evaluate else pipe.step)(x, y)
 
 
+def _frozen_at_first_end(group):
+    """A tied model whose user froze the embedding by its name, which only the first rank holds."""
+    pipe = pp.Pipeline(build("llama", 4, tie=True), device="cpu", group=group, num_microbatches=2)
+    for name, param in pipe.named_parameters():
+        param.requires_grad_(name != "model.embed_tokens.weight")
+    return pipe
+
+
 def _partly_on_meta():
     model = build("llama", 4)
     model.model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.empty(1, device="meta"))
@@ -108,6 +116,17 @@ PIPELINE_CASES = {
     "mismatch-model": (lambda r, w, g: pp.Pipeline(build("llama", 4, vocab=64 if r == 0 else 128), device="cpu",
                                                    group=g, num_microbatches=2), ValueError,
                        r"ranks disagree on 'model_config'"),
+    "mismatch-parameter-dtypes": (lambda r, w, g: pp.Pipeline(build("llama", 4).to(torch.bfloat16 if r == 0 else
+                                                                               torch.float32), device="cpu",
+                                                               group=g, num_microbatches=2), ValueError,
+                                  r"ranks disagree on 'parameter_dtypes'"),
+    "mismatch-seed": (lambda r, w, g: _pipe(g, seed=r), ValueError, r"ranks disagree on 'seed'"),
+    "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.step if r == 0 else p.evaluate)(X, Y))(_pipe(g)),
+                                          ValueError, r"ranks disagree on 'mode': every rank must call step\(\) "
+                                          r"together, or evaluate\(\) together"),
+    "tied-weight-frozen-at-one-end": (lambda r, w, g: _frozen_at_first_end(g).step(X, Y), ValueError,
+                                      r"the tied embedding is frozen at one end only: set requires_grad alike on "
+                                      r"model.embed_tokens.weight \(first rank\) and lm_head.weight"),
     "invalid-on-rank-1-only": (lambda r, w, g: _pipe(g, num_microbatches=2 if r == 0 else 0), ValueError,
                                r"pipeline rank 1: num_microbatches must be an integer >= 1"),
     "unknown-schedule-on-rank-1-only": (lambda r, w, g: _pipe(g, schedule="1f1b" if r == 0 else "zigzag"),

@@ -85,6 +85,8 @@ CASES = {
         Case("w2-qwen2-tied-1f1b-m4-split-3", kind="qwen2", m=4, batch=8, tie=True, split=3),
         Case("w2-1f1b-m3-no-split", m=3, batch=6, split=0),
         Case("w2-tied-gpipe-m2-accumulate", schedule="gpipe", m=2, tie=True, accumulate=True),
+        # One weight, named at each end (the last rank holds it as lm_head.weight): no gradient at either.
+        Case("w2-frozen-tied-embedding-1f1b", m=2, tie=True, frozen=("model.embed_tokens.weight", "lm_head.weight")),
         Case("w2-frozen-first-stage-1f1b", m=2, layer_counts=(2, 2), frozen=(
             "model.embed_tokens.weight", *(f"model.layers.{i}.{n}" for i in (0, 1) for n in (
                 "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -453,10 +455,27 @@ def _eval_with_dropout_worker(rank, world_size):
     with torch.no_grad():
         want = full_loss(copy.deepcopy(model).eval(), x, y).item()
     pipe = pp.Pipeline(model, schedule="1f1b", num_microbatches=2)
+    kept_in_eval = next(iter(pipe.model.model.layers.values())).eval()  # the user's choice, kept
     losses = [pipe.evaluate(x, y) for _ in range(3)]
-    return losses, want, pipe.model.training
+    return losses, want, pipe.model.training, kept_in_eval.training
 
 
 def test_evaluate_runs_without_dropout_and_keeps_the_training_mode():
-    for losses, want, training in run_distributed(_eval_with_dropout_worker, 2):
-        assert losses == pytest.approx([want] * 3, abs=1e-5) and training
+    for losses, want, training, kept_in_eval_training in run_distributed(_eval_with_dropout_worker, 2):
+        assert losses == pytest.approx([want] * 3, abs=1e-5) and training and not kept_in_eval_training
+
+
+def _mixed_dtype_worker(rank, world_size):
+    model = build("llama", 4)
+    model.model.layers.to(torch.bfloat16)  # fp32 embedding and residual stream, bf16 layers
+    x, y = make_batch(4, 8, num_microbatches=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = full_loss(copy.deepcopy(model), x, y).item()
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu", autocast_dtype=torch.bfloat16)
+    return pipe.step(x, y), want
+
+
+def test_layers_in_another_dtype_than_the_embedding_under_autocast():
+    """Stages hand on the embedding's dtype, the residual stream's, whatever their own layers hold."""
+    for loss, want in run_distributed(_mixed_dtype_worker, 2, timeout=TIMEOUT):
+        assert loss == pytest.approx(want, abs=2e-2)
