@@ -27,11 +27,14 @@ HF_PREFIX = "hf:"  # "hf:NAME[:CONFIG[:SPLIT]]" is a dataset loaded with the `da
 Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
 
 
-def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset()) -> list[Path]:
-    """Files under root with one of `suffixes`, sorted by relative path; hidden ones skipped."""
+def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
+    """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
+    named in `skip_dirs` and the directory `skip` skipped."""
     found = []
+    skip = skip.resolve() if skip is not None else None
     for parent, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip_dirs]  # prune early
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip_dirs  # prune early
+                   and (skip is None or Path(parent, d).resolve() != skip)]
         found += [Path(parent, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
     return sorted(found, key=lambda f: f.relative_to(root).as_posix())
 
@@ -42,11 +45,12 @@ def stdlib_files() -> list[Path]:
     return _walk(Path(sysconfig.get_paths()["stdlib"]), {".py"}, skip)
 
 
-def expand_sources(data: str | Path | Sequence[str | Path] | None) -> list[Source]:
+def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | None = None) -> list[Source]:
     """Turn the user's data argument into a sorted list of files and dataset specs.
 
     None means the Python standard library; a directory is scanned recursively
-    (hidden files skipped, sorted) for text, JSONL and Parquet files.
+    (hidden files skipped, sorted) for text, JSONL and Parquet files, leaving out the
+    directory `skip` (the run directory, whose metrics and config are not data).
     """
     if data is None:
         return stdlib_files()
@@ -63,7 +67,7 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None) -> list[Sourc
         if path.is_file():
             sources.append(path)
         elif path.is_dir():
-            found = _walk(path, known)
+            found = _walk(path, known, skip=skip)
             if not found:
                 raise ValueError(f"no data files under directory {path}; looked for {sorted(known)}")
             sources.extend(found)
@@ -319,7 +323,7 @@ def prepare_data(
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    sources = expand_sources(data)
+    sources = expand_sources(data, skip=run_dir)  # a run directory inside the data is not data
     tok = get_tokenizer(run_dir, tokenizer, iter_documents(sources, text_field), vocab_size, tokenizer_train_chars)
     docs = iter_documents(sources, text_field)  # lazy: only read if not cached yet
     tokens = cached_tokens(run_dir, tok, docs, source_key(sources, text_field), max_tokens)

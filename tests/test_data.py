@@ -59,6 +59,20 @@ def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
     assert list(D.iter_documents(D.expand_sources(tmp_path))) == ["A", "C", "B"]
 
 
+def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
+    """`--data.path .` with runs/ in the project: the run's metrics and config are not read as text."""
+    (tmp_path / "notes.txt").write_text("the text to learn. " * 40)
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # no "text" field
+    (run_dir / "config.toml").write_text('run_dir = "runs/r"\n')
+    assert D.expand_sources(tmp_path, skip=run_dir) == [tmp_path / "notes.txt"]
+    for _ in range(2):  # the second time from the caches, with the run directory's files grown
+        data = D.prepare_data(run_dir, [str(tmp_path)], seq_len=8, vocab_size=260, eval_fraction=0.1)
+        (run_dir / "config.toml").write_text('run_dir = "runs/r"\nseed = 1\n')
+    assert data.num_tokens == len(data.tokenizer.encode("the text to learn. " * 40)) + 1
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
