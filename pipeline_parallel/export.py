@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import shutil
+import secrets
 import stat
-import warnings
 from pathlib import Path
 
 import torch
@@ -106,9 +106,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     level = logger.level
     logger.setLevel(logging.ERROR)  # its "RNG not restored" note means nothing here
     try:
-        with warnings.catch_warnings():  # DCP's "assuming the intent is to load in a single process"
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            load_checkpoint(checkpoint, model, None, group=group)
+        load_checkpoint(checkpoint, model, None, group=group)
     finally:
         logger.setLevel(level)
     return model.eval(), run_tokenizer(checkpoint.parent.parent)
@@ -124,8 +122,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
 
     out_dir = Path(out_dir)
     check_replaceable(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")  # a name no one else uses
     tmp.mkdir(parents=True)
     state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -142,10 +139,14 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     return out_dir
 
 
-def check_replaceable(out_dir: Path) -> None:
-    """Refuse to replace a directory that is not an earlier export: it would be deleted."""
+def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
+    """Refuse to replace a directory that is not an earlier export, or is `source` (the Hugging Face
+    model a run started from, perhaps itself an export): it would be deleted."""
     if not out_dir.exists():
         return
+    if source and out_dir.resolve() == Path(source).resolve():
+        raise FileExistsError(f"{out_dir} is the Hugging Face model the run started from (--hf-model); "
+                              "exporting would replace it, so give another directory")
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file; give a directory to export into")
     entries = list(out_dir.iterdir())
@@ -172,7 +173,7 @@ def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp
     """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
     checkpoint = resolve_checkpoint(path)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
-    check_replaceable(out_dir)  # before the (long) load, not after it
+    check_replaceable(out_dir, read_extra(checkpoint).get("hf_model"))  # before the (long) load, not after it
     model, tokenizer = load_full_model(checkpoint, group)
     return save_hf_model(model, tokenizer, out_dir, dtype), model, tokenizer
 

@@ -6,7 +6,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -120,7 +119,7 @@ class Trainer:
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
         if cfg.export.at_end:  # found now, not after the whole run has trained
             try:
-                check_replaceable(self.run_dir / EXPORT_DIR)
+                check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
             except FileExistsError as e:
                 raise ConfigError(f"export.at_end: {e}") from None
 
@@ -225,9 +224,7 @@ class Trainer:
             self.batches.load_state_dict(extra["data"])
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            load_checkpoint(path, self.pipe.model, self.optimizer)
+        load_checkpoint(path, self.pipe.model, self.optimizer)
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")
@@ -282,11 +279,10 @@ class Trainer:
 
     def save(self) -> None:
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
-                 "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint()}
-        with warnings.catch_warnings():  # DCP's note that a 1-rank run saves "in a single process"
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
-                                              self.cfg.checkpoint.keep_last)
+                 "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint(),
+                 "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
+        self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
+                                          self.cfg.checkpoint.keep_last)
 
     def fit(self) -> list[dict]:
         """Train to max_steps, evaluating and checkpointing on schedule; returns the logged records."""

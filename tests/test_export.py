@@ -91,8 +91,12 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(FileExistsError, match="todo.txt"):
         export(run_dir, notes)
     assert (notes / "todo.txt").read_text() == "mine"
+    (tmp_path / "hf.tmp").mkdir()  # someone's directory that happens to bear the name
+    (tmp_path / "hf.tmp" / "todo.txt").write_text("mine")
     out, model, _ = export(run_dir, tmp_path / "hf")
     assert export(run_dir, out)[0] == out  # an earlier export is replaced
+    assert (tmp_path / "hf.tmp" / "todo.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary left"
     assert (out / "config.json").is_file()
     model.save_pretrained(tmp_path / "source-model")  # say, the model the run started from
     with pytest.raises(FileExistsError, match="not an earlier export"):
@@ -145,6 +149,11 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert first_loss == pytest.approx(want, abs=1e-5)
+
+    source = hf_dir.joinpath("model.safetensors").read_bytes()  # an export itself, yet not to be replaced
+    with pytest.raises(FileExistsError, match="is the Hugging Face model the run started from"):
+        export(tmp_path / "run", hf_dir)
+    assert hf_dir.joinpath("model.safetensors").read_bytes() == source
 
     exported, tokenizer = load_model(tmp_path / "run" / "export")
     trained_model, _ = load_full_model(tmp_path / "run")
