@@ -155,6 +155,11 @@ class Trainer:
             raise ConfigError(f"train.batch_size: {e}") from None
         m = cfg.pipeline.num_microbatches
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
+        if cfg.eval.interval and not self.eval_batch_size:  # the same data everywhere: every rank raises
+            raise ConfigError(
+                f"eval.interval: the held-out set has {len(self.data.eval)} sequences, fewer than "
+                f"pipeline.num_microbatches = {m}, so there is nothing to evaluate; raise data.eval_fraction "
+                "(or data.max_tokens), or set eval.interval = 0")
         self.step, self.tokens, self.checkpoint = 0, 0, None
         self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()
         self._resume_or_start(resume_from)
