@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -81,12 +82,18 @@ def _describe(error: Exception | None) -> tuple[bool, str] | None:
     return None if error is None else (isinstance(error, _DATA_FAULTS), str(error))
 
 
-def _all_gather(value) -> list:
+# How long ranks wait for one of them to prepare the data or export the model: those take as long as
+# the corpus or the model is big, far beyond a process group's timeout (30 min on gloo, 10 on NCCL),
+# and a rank that dies on the way still ends the job through torchrun.
+_PATIENCE = timedelta(hours=24)
+
+
+def _all_gather(value, group=None) -> list:
     """`value` from every rank, in rank order ([value] without a process group)."""
     if not dist.is_initialized():
         return [value]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -110,6 +117,8 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.owns_group = join_group(cfg)
+        # Waits on one rank's long work (data, export) go through a group of their own with a long timeout.
+        self._patient = dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None
         _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
         validate(cfg, world_size())
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
@@ -184,7 +193,8 @@ class Trainer:
                     result = fn()
                 except Exception as e:
                     error = e
-            failed = [(rank, *f) for rank, f in enumerate(_all_gather(_describe(error))) if f is not None]
+            failed = [(rank, *f) for rank, f in enumerate(_all_gather(_describe(error), self._patient))
+                      if f is not None]
             if failed:
                 rank, is_data_fault, message = failed[0]
                 if is_data_fault:
@@ -338,7 +348,7 @@ class Trainer:
             if self.reporter:
                 self._report(solo)
         finally:
-            _all_gather(None)  # a barrier: the others wait for the export, so the group outlives it
+            _all_gather(None, self._patient)  # a barrier: the others wait for the export, so the group outlives it
         if self.owns_group:
             dist.destroy_process_group()
 

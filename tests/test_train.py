@@ -9,11 +9,14 @@ import re
 import subprocess
 import sys
 import sysconfig
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_distributed
+import torch.distributed as dist
+from _dist import _free_port, run_distributed
 
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
@@ -220,6 +223,27 @@ def test_stages_are_balanced_for_the_training_sequence_length(corpus, tmp_path):
     stage gets fewer layers than at Pipeline's default of 2048 tokens, where [3, 3] balances."""
     cfg = make_cfg(tmp_path / "short", corpus, **{"model.num_hidden_layers": 6, "data.seq_len": 8})
     assert run_distributed(_layer_counts, 2, cfg) == [[4, 2], [4, 2]]
+
+
+def _slow_rank_worker(rank, world_size, cfg, port):
+    """Rank 0 prepares the data and the last rank exports, each for longer than the group's timeout."""
+    import pipeline_parallel.train as train
+
+    dist.destroy_process_group()  # again, with a timeout shorter than the slow parts
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=2))
+    for name in ("prepare_data", "export"):
+        real = getattr(train, name)
+        setattr(train, name, lambda *a, real=real, **k: (time.sleep(3), real(*a, **k))[1])
+    return len(run(cfg))
+
+
+def test_ranks_wait_for_long_data_preparation_and_export(corpus, tmp_path):
+    """The others wait in a group of their own while one rank works, not in one that times out."""
+    cfg = make_cfg(tmp_path / "slow", corpus, **{"train.max_steps": 2, "eval.interval": 0, "export.at_end": True,
+                                                  "export.sample_tokens": 0})
+    assert run_distributed(_slow_rank_worker, 2, cfg, _free_port(), timeout=120) == [2, 2]
+    assert (tmp_path / "slow" / "export" / "model.safetensors").is_file()
 
 
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
