@@ -234,8 +234,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, str]
                 table = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:  # a directory, no permission, ...
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         flat = {}
         for name, value in table.items():  # [section] tables hold one level of keys
             flat |= {f"{name}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {name: value}
@@ -355,19 +357,25 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (None values omitted), to print and to keep in the run directory."""
-    def value(v) -> str:
+    def value(v, key: str) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)  # TOML has no surrogate escapes
+            return "[" + ", ".join(value(x, key) for x in v) + "]"
+        if not isinstance(v, str):
+            return repr(v)
+        if any("\ud800" <= c <= "\udfff" for c in v):  # undecodable bytes of a file name: no TOML text holds them
+            raise ConfigError(f"{key}: {v!r} is not valid UTF-8 text (a file name in another encoding?); rename it")
+        # Non-ASCII stays readable (TOML has no surrogate-pair escapes); DEL, which JSON leaves bare, is escaped.
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
 
     top, sections = [], []
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         if is_dataclass(v):
-            body = [f"{g.name} = {value(getattr(v, g.name))}" for g in fields(v) if getattr(v, g.name) is not None]
+            body = [f"{g.name} = {value(getattr(v, g.name), f'{f.name}.{g.name}')}" for g in fields(v)
+                    if getattr(v, g.name) is not None]
             sections.append(f"[{f.name}]\n" + "\n".join(body))
         else:
-            top.append(f"{f.name} = {value(v)}")
+            top.append(f"{f.name} = {value(v, f.name)}")
     return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"

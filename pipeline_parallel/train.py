@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +58,9 @@ def setup_device(cfg: Config) -> torch.device:
 
 
 def _use_cuda(cfg: Config) -> bool:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device = cuda, but this torch ({torch.__version__}) finds no CUDA GPU; "
+                          "use device = cpu, or auto to take a GPU when there is one")
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
@@ -125,6 +129,11 @@ class Trainer:
         self.device = setup_device(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
+        try:  # every rank writes its checkpoint shards there: found now, not after the data is prepared
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.run_dir).close()
+        except OSError as e:
+            raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
         if cfg.export.at_end:  # found now, not after the whole run has trained
             try:

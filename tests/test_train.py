@@ -118,13 +118,30 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.data.path, cfg.pipeline.layer_counts) == (1.0, 0.5, ["one.txt"], [1, 3])
     assert (cfg.log.plot, cfg.resume, cfg.run_dir) == (False, "latest", "r")
     # A bare flag also sets a key that may be None; text outside the BMP survives the saved TOML.
-    cfg = parse_args(["--model.tie-word-embeddings", "--export.prompt", "# \U0001F40D def", "--train.max_steps", "5"])
+    cfg = parse_args(["--model.tie-word-embeddings", "--export.prompt", "# \U0001F40D\x7f def", "--train.max_steps", "5"])
     assert (cfg.model.tie_word_embeddings, cfg.train.max_steps) == (True, 5)
     saved = tmp_path / "saved.toml"
     saved.write_text(to_toml(cfg), encoding="utf-8")
-    assert load_config(saved).export.prompt == "# \U0001F40D def"
+    assert load_config(saved).export.prompt == "# \U0001F40D\x7f def"  # DEL, too, which TOML allows escaped only
     (tmp_path / "again.toml").write_text(to_toml(cfg))
     assert load_config(tmp_path / "again.toml") == cfg
+
+
+def test_unreadable_settings_are_config_errors_before_the_data(tmp_path, corpus):
+    (tmp_path / "latin1.toml").write_bytes("prompt = 'caf\xe9'".encode("latin-1"))
+    for path, message in ((tmp_path, "cannot be read: Is a directory"), (tmp_path / "latin1.toml", "is not valid TOML")):
+        with pytest.raises(ConfigError, match=f"config file {re.escape(str(path))} {message}"):
+            load_config(path)
+    undecodable = make_cfg(tmp_path / "r1", corpus, **{"data.path": [os.fsdecode(b"caf\xe9.txt")]})
+    with pytest.raises(ConfigError, match="data.path: .* is not valid UTF-8 text"):
+        Trainer(undecodable)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="run_dir .*a-file/run cannot be written"):
+        Trainer(make_cfg(tmp_path / "a-file" / "run", corpus))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device = cuda, but this torch .* finds no CUDA GPU; use device = cpu"):
+            Trainer(make_cfg(tmp_path / "r2", corpus, device="cuda"))
+    assert not list(tmp_path.glob("r*/tokens-*")), "all refused before the data was prepared"
 
 
 def test_configs_and_docs_cover_every_key():
