@@ -13,8 +13,8 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import secrets
+import shutil
 import stat
 from pathlib import Path
 

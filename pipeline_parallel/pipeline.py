@@ -78,8 +78,8 @@ class Pipeline:
         except (TypeError, ValueError) as e:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
-        agree_on_settings(self.comm, {**self._settings, **fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes)},
-                          local_error=error)
+        local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes)
+        agree_on_settings(self.comm, {**self._settings, **local}, local_error=error)
         self.config = model.config
 
         tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
