@@ -121,7 +121,7 @@ PIPELINE_CASES = {
                                                                group=g, num_microbatches=2), ValueError,
                                   r"ranks disagree on 'parameter_dtypes'"),
     "mismatch-seed": (lambda r, w, g: _pipe(g, seed=r), ValueError, r"ranks disagree on 'seed'"),
-    "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.step if r else p.evaluate)(X, Y))(_pipe(g)),
+    "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.evaluate if r else p.step)(X, Y))(_pipe(g)),
                                           ValueError, r"ranks disagree on 'mode': every rank must call step\(\) "
                                           r"together, or evaluate\(\) together"),
     "tied-weight-frozen-at-one-end": (lambda r, w, g: _frozen_at_first_end(g).step(X, Y), ValueError,
