@@ -248,10 +248,10 @@ def _slow_rank_worker(rank, world_size, cfg, port):
 
     dist.destroy_process_group()  # again, with a timeout shorter than the slow parts
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=2))
+                            timeout=timedelta(seconds=4))
     for name in ("prepare_data", "export"):
         real = getattr(train, name)
-        setattr(train, name, lambda *a, real=real, **k: (time.sleep(3), real(*a, **k))[1])
+        setattr(train, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
     return len(run(cfg))
 
 
