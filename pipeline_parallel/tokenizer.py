@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -224,26 +225,53 @@ def _batched(pieces: Iterator[tuple[str, bool]], max_chars: int = 1 << 22) -> It
 def write_tokens(docs: Iterable[str], tokenizer: Tokenizer, path: Path, max_tokens: int | None = None) -> int:
     """Tokenise `docs` (EOS after each) into a flat binary file; returns the token count.
 
-    Written to a temporary file first, so a crash never leaves a truncated cache.
+    Written to a temporary file first, so a crash never leaves a truncated cache; the
+    temporary files of killed runs on this host are removed (they can be gigabytes).
     """
     dtype = token_dtype(tokenizer)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _remove_killed_partials(path.parent)
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     count = 0
-    with open(tmp, "wb") as f:
-        for batch in _batched(_pieces(docs)):
-            ids = tokenizer.encode_batch([text for text, _ in batch])
-            flat = [t for piece, (_, ends) in zip(ids, batch) for t in (piece + [tokenizer.eos_id] if ends else piece)]
-            if max_tokens is not None:
-                flat = flat[: max_tokens - count]
-            f.write(np.asarray(flat, dtype=dtype).tobytes())
-            count += len(flat)
-            if max_tokens is not None and count >= max_tokens:
-                break
+    try:
+        with open(tmp, "wb") as f:
+            for batch in _batched(_pieces(docs)):
+                ids = tokenizer.encode_batch([text for text, _ in batch])
+                flat = [t for piece, (_, ends) in zip(ids, batch)
+                        for t in (piece + [tokenizer.eos_id] if ends else piece)]
+                if max_tokens is not None:
+                    flat = flat[: max_tokens - count]
+                f.write(np.asarray(flat, dtype=dtype).tobytes())
+                count += len(flat)
+                if max_tokens is not None and count >= max_tokens:
+                    break
+    except BaseException:  # an error or Ctrl-C: no partial file left behind
+        tmp.unlink(missing_ok=True)
+        raise
     if count == 0:
         tmp.unlink()
         raise ValueError("no text to tokenise: every document of the data is empty; give other data")
     os.replace(tmp, path)
     return count
+
+
+def _remove_killed_partials(directory: Path) -> None:
+    """Delete token caches half-written by processes of this host that no longer run (killed, so
+    they could not clean up); another host's, or a live process's, are left alone."""
+    host = socket.gethostname()
+    for partial in directory.glob(f".tokens-*.{host}.*.tmp"):
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _running(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or not a pid we can ask about: keep its file
+    return True
 
 
 def token_dtype(tokenizer: Tokenizer) -> type:

@@ -1,7 +1,9 @@
 """Tests for data sources, tokenizers, packing, the held-out split and the resumable loader."""
 
 import json
+import os
 import random
+import socket
 import sys
 import types
 
@@ -173,6 +175,25 @@ def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
     monkeypatch.undo()
     capped = D.prepare_data(tmp_path / "run", src, seq_len=8, max_tokens=100)
     assert capped.num_tokens == 100
+
+
+def test_no_partial_token_cache_is_left_behind(tmp_path):
+    """Interrupted tokenising leaves no temporary file, and one left by a killed run on this host is removed."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    host = socket.gethostname()
+    killed = tmp_path / f".tokens-0123.uint16.bin.{host}.{2**31 - 2}.tmp"  # no such process
+    running = tmp_path / f".tokens-0123.uint16.bin.{host}.{os.getpid()}.tmp"
+    other_host = tmp_path / f".tokens-0123.uint16.bin.not-{host}.{2**31 - 2}.tmp"
+    for partial in (killed, running, other_host):
+        partial.write_bytes(b"\0" * 64)
+
+    def interrupted():
+        yield from make_docs()
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.write_tokens(interrupted(), tok, tmp_path / "tokens-4567.uint16.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other_host.name])
 
 
 def test_held_out_split_is_disjoint_and_deterministic():
