@@ -230,6 +230,18 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
+def _save_order(path: Path) -> tuple[int, int]:
+    """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
+    before save numbers (-1) count as older than any numbered one, in step order among themselves."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    order = meta.get("save_order", -1) if isinstance(meta, dict) else -1
+    step = int(_STEP_DIR.match(path.name)[1])
+    return (order if isinstance(order, int) else -1, step)
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, extra: dict, keep_last: int,
                     group: Any = None) -> Path:
@@ -249,8 +261,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     rng = _rng_state()
     meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
             "has_optimizer": optimizer is not None, "rng_devices": sorted(rng), "extra": extra}
-    try:
-        meta_text = json.dumps(meta, indent=1)
+    try:  # checked now, on every rank, before anything is written
+        json.dumps(meta)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: extra must be JSON-serialisable (dict, list, str, "
                         f"number, bool, None); convert tensors with .tolist()/.item(): {e}") from e
@@ -269,8 +281,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
                 shutil.rmtree(path, ignore_errors=True)
         tmp.mkdir()
 
-    def publish() -> None:
-        _atomic_write(tmp / META, meta_text)
+    def publish() -> None:  # numbered after every published checkpoint: rotation goes by when, not by step
+        order = max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
+        _atomic_write(tmp / META, json.dumps({**meta, "save_order": order}, indent=1))
         _commit(tmp, final)
 
     _on_rank0(prepare, rank, group, f"create {tmp}")  # before anyone writes into it
@@ -283,8 +296,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
     _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
     _on_rank0(publish, rank, group, f"publish {final}; the previous checkpoint is untouched")
-    if rank == 0 and keep_last > 0:
-        older = [p for p in _step_dirs(ckpt_dir) if p != final]
+    if rank == 0 and keep_last > 0:  # the least recently saved go, even when a resume from an older step
+        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=_save_order)  # saved higher ones
         for path in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(path, ignore_errors=True)
     return final
@@ -294,14 +307,14 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """Return the newest complete checkpoint under `run_dir/checkpoints`, or None.
 
     Follows the `latest` pointer; if it is missing or dangling (a crash between the
-    rename and the pointer update) falls back to the highest complete step directory.
+    rename and the pointer update) falls back to the most recently saved complete checkpoint.
     """
     ckpt_dir = Path(run_dir) / CHECKPOINTS
     pointer = ckpt_dir / LATEST
     if pointer.is_file() and _is_complete(path := ckpt_dir / pointer.read_text().strip()):
         return path
     complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
-    return complete[-1] if complete else None
+    return max(complete, key=_save_order) if complete else None
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:

@@ -239,6 +239,21 @@ def test_keep_last_and_latest_pointer(tmp_path, recwarn):
     assert not [str(w.message) for w in recwarn], "a single process saves and loads without warnings"
 
 
+def test_rotation_and_fallback_go_by_when_saved_after_resuming_an_older_step(tmp_path):
+    """Steps 3 and 6 saved, then the run resumed from step 3 (say, with another lr) and saved 4 and 5:
+    the abandoned step 6 is the oldest save, so it goes, and the branch's own step 4 stays."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (3, 6, 4, 5):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=2)
+    ckpt_dir = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000004", "step_000005"]
+    save_checkpoint(tmp_path, 7, model, opt, {"step": 7}, keep_last=0)
+    save_checkpoint(tmp_path, 6, model, opt, {"step": 6}, keep_last=0)  # resumed from 5 again
+    (ckpt_dir / "latest").unlink()  # a crash before the pointer moved: the fallback is the last save
+    assert latest_checkpoint(tmp_path) == ckpt_dir / "step_000006"
+
+
 def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
     model = make_stage(0, 1)
     opt = train(model)
