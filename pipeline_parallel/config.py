@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
 import json
@@ -25,6 +26,15 @@ from .schedules import build_schedule
 
 class ConfigError(ValueError):
     """An invalid configuration; raised identically on every rank before any rank waits on another."""
+
+
+@contextlib.contextmanager
+def as_config_error(setting: str, *errors: type[Exception]):
+    """Turn `errors` (default ValueError) raised inside into a ConfigError that names `setting`."""
+    try:
+        yield
+    except errors or ValueError as e:
+        raise ConfigError(f"{setting}: {e}") from None
 
 
 @dataclass
@@ -292,10 +302,8 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
     overrides = {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)
                  if f.name != "preset" and getattr(cfg.model, f.name) is not None}
     overrides["vocab_size"] = cfg.model.vocab_size or vocab_size
-    try:
+    with as_config_error("model"):
         return LlamaConfig.from_preset(cfg.model.preset, **overrides)
-    except ValueError as e:
-        raise ConfigError(f"model: {e}") from None
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -333,10 +341,8 @@ def validate(cfg: Config, world_size: int) -> None:
     check(t.batch_size % p.num_microbatches == 0,
           f"train.batch_size {t.batch_size} is not divisible by pipeline.num_microbatches {p.num_microbatches}: "
           "each pipeline step splits the batch into equal microbatches")
-    try:
+    with as_config_error("pipeline.schedule"):
         build_schedule(p.schedule, world_size, p.num_microbatches)
-    except ValueError as e:
-        raise ConfigError(f"pipeline.schedule: {e}") from None
     if cfg.hf_model:
         check(Path(cfg.hf_model).is_dir(), f"hf_model {cfg.hf_model} is not a directory")
         named = [f"model.{f.name}" for f in fields(ModelConfig)
@@ -349,10 +355,8 @@ def validate(cfg: Config, world_size: int) -> None:
     check(world_size <= layers, f"{world_size} pipeline stages (ranks) but the model has {layers} decoder layers: "
                                 "every stage needs at least one; use fewer ranks or more layers")
     if p.layer_counts:
-        try:
+        with as_config_error("pipeline.layer_counts"):
             check_layer_counts(p.layer_counts, layers, world_size)
-        except ValueError as e:
-            raise ConfigError(f"pipeline.layer_counts: {e}") from None
 
 
 def to_toml(cfg: Config) -> str:

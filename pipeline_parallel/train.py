@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
-from .config import Config, ConfigError, llama_config, parse_args, settings, to_toml, validate
+from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import EXPORT_DIR, TOKENIZER_DIR, check_replaceable, export, hf_config_dict, load_hf_weights
 from .generate import sample
@@ -136,16 +136,12 @@ class Trainer:
             raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
         if cfg.export.at_end:  # found now, not after the whole run has trained
-            try:
+            with as_config_error("export.at_end", FileExistsError):
                 check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
-            except FileExistsError as e:
-                raise ConfigError(f"export.at_end: {e}") from None
 
         if cfg.hf_model:  # a model the pipeline cannot run is found now, not after the data is prepared
-            try:
+            with as_config_error("hf_model", TypeError, ValueError):
                 check_layout(build_model(cfg, vocab_size=0))
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"hf_model: {e}") from None
 
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(
@@ -166,11 +162,9 @@ class Trainer:
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
                              autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len)
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
-        try:  # the same data on every rank, so the same outcome
+        with as_config_error("train.batch_size"):  # the same data on every rank, so the same outcome
             self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,
                                         need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
-        except ValueError as e:
-            raise ConfigError(f"train.batch_size: {e}") from None
         m = cfg.pipeline.num_microbatches
         self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
         if cfg.eval.interval and not self.eval_batch_size:  # the same data everywhere: every rank raises
@@ -244,10 +238,8 @@ class Trainer:
         if extra.get("tokenizer", self.data.tokenizer.fingerprint()) != self.data.tokenizer.fingerprint():
             raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                               "the tokenizer it was trained with, or start a new run_dir")
-        try:
+        with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
-        except ValueError as e:
-            raise ConfigError(f"{path}: {e}") from None
         load_checkpoint(path, self.pipe.model, self.optimizer)
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
