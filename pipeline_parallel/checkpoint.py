@@ -230,11 +230,16 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
+def _read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`."""
+    return json.loads((path / META).read_text())
+
+
 def _save_order(path: Path) -> tuple[int, int]:
     """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
     before save numbers (-1) count as older than any numbered one, in step order among themselves."""
     try:
-        meta = json.loads((path / META).read_text())
+        meta = _read_meta(path)
     except (OSError, ValueError):
         meta = {}
     order = meta.get("save_order", -1) if isinstance(meta, dict) else -1
@@ -326,7 +331,7 @@ def read_extra(path: str | os.PathLike) -> dict:
     """The `extra` a checkpoint was saved with, without loading any tensor."""
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint; pass a directory returned by latest_checkpoint()")
-    return json.loads((Path(path) / META).read_text())["extra"]
+    return _read_meta(Path(path))["extra"]
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
@@ -342,7 +347,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if not _is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (needs .metadata and "
                                 f"{META}); pass a directory returned by latest_checkpoint()")
-    meta = json.loads((path / META).read_text())
+    meta = _read_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "
                          f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
