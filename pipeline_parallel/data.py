@@ -8,7 +8,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
@@ -132,22 +132,63 @@ def _hf_documents(spec: str, field: str) -> Iterator[str]:
         yield _field(record, field, f"{spec} row {i}")
 
 
-def iter_documents(sources: Iterable[Source], text_field: str = "text") -> Iterator[str]:
-    """Every non-blank document, in order: a whole text file, a JSONL line, a Parquet row...
+PIECE_CHARS = 1 << 20  # documents are handled in pieces of at most this many characters
 
-    Text files are decoded as UTF-8 with undecodable bytes replaced, so one odd file
-    cannot stop a long run.
+
+def _cut(read: Callable[[int], str], max_chars: int) -> Iterator[tuple[str, bool]]:
+    """One document as (text, ends_document) pieces of at most `max_chars`, each cut after its
+    last newline where it has one; `read(n)` gives up to n more characters, "" at the end."""
+    buffer = read(max_chars + 1)
+    while len(buffer) > max_chars:
+        cut = buffer.rfind("\n", 0, max_chars) + 1 or max_chars
+        yield buffer[:cut], False
+        buffer = buffer[cut:]
+        buffer += read(max_chars + 1 - len(buffer))
+    yield buffer, True
+
+
+def _reader(text: str) -> Callable[[int], str]:
+    position = 0
+
+    def read(n: int) -> str:
+        nonlocal position
+        piece = text[position : position + n]
+        position += len(piece)
+        return piece
+
+    return read
+
+
+def _without_blank_start(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
+    """A document's pieces from its first non-blank one on: a blank document yields nothing."""
+    started = False
+    for text, ends in pieces:
+        started = started or bool(text.strip())
+        if started:
+            yield text, ends
+
+
+def iter_pieces(sources: Iterable[Source], text_field: str = "text",
+                max_chars: int = PIECE_CHARS) -> Iterator[tuple[str, bool]]:
+    """Every non-blank document, in order, as (text, ends_document) pieces of at most `max_chars`
+    characters: a whole text file is one document, a JSONL line one, a Parquet row one...
+
+    A text file is read a piece at a time, so memory stays bounded whatever its size. Text files
+    are decoded as UTF-8 with undecodable bytes replaced, so one odd file cannot stop a long run.
     """
     for src in sources:
+        if isinstance(src, Path) and src.suffix.lower() not in JSONL_SUFFIXES | PARQUET_SUFFIXES:
+            with open(src, encoding="utf-8", errors="replace") as f:
+                yield from _without_blank_start(_cut(f.read, max_chars))
+            continue
         if isinstance(src, str):
             docs = _hf_documents(src, text_field)
         elif src.suffix.lower() in JSONL_SUFFIXES:
             docs = _jsonl_documents(src, text_field)
-        elif src.suffix.lower() in PARQUET_SUFFIXES:
-            docs = _parquet_documents(src, text_field)
         else:
-            docs = iter([src.read_text(encoding="utf-8", errors="replace")])
-        yield from (d for d in docs if d.strip())
+            docs = _parquet_documents(src, text_field)
+        for doc in docs:
+            yield from _without_blank_start(_cut(_reader(doc), max_chars))
 
 
 def source_key(sources: list[Source], text_field: str) -> dict:
@@ -324,9 +365,10 @@ def prepare_data(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sources = expand_sources(data, skip=run_dir)  # a run directory inside the data is not data
-    tok = get_tokenizer(run_dir, tokenizer, iter_documents(sources, text_field), vocab_size, tokenizer_train_chars)
-    docs = iter_documents(sources, text_field)  # lazy: only read if not cached yet
-    tokens = cached_tokens(run_dir, tok, docs, source_key(sources, text_field), max_tokens)
+    texts = (text for text, _ in iter_pieces(sources, text_field))
+    tok = get_tokenizer(run_dir, tokenizer, texts, vocab_size, tokenizer_train_chars)
+    pieces = iter_pieces(sources, text_field)  # lazy: only read if not cached yet
+    tokens = cached_tokens(run_dir, tok, pieces, source_key(sources, text_field), max_tokens)
     if len(tokens) < seq_len + 1:
         raise ValueError(
             f"the data gives only {len(tokens)} tokens, fewer than one sequence of seq_len+1 = "

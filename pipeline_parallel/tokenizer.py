@@ -199,17 +199,7 @@ def get_tokenizer(
 # The token stream of a run, cached
 
 
-def _pieces(docs: Iterable[str], max_chars: int = 1 << 20) -> Iterator[tuple[str, bool]]:
-    """(text, ends_document) pieces; huge documents are cut at newlines to bound memory."""
-    for doc in docs:
-        while len(doc) > max_chars:
-            cut = doc.rfind("\n", 0, max_chars) + 1 or max_chars
-            yield doc[:cut], False
-            doc = doc[cut:]
-        yield doc, True
-
-
-def _batched(pieces: Iterator[tuple[str, bool]], max_chars: int = 1 << 22) -> Iterator[list]:
+def _batched(pieces: Iterable[tuple[str, bool]], max_chars: int = 1 << 22) -> Iterator[list]:
     """Batches for parallel encoding; they start small so a small max_tokens reads little."""
     batch, chars, limit = [], 0, 1 << 15
     for piece in pieces:
@@ -222,8 +212,10 @@ def _batched(pieces: Iterator[tuple[str, bool]], max_chars: int = 1 << 22) -> It
         yield batch
 
 
-def write_tokens(docs: Iterable[str], tokenizer: Tokenizer, path: Path, max_tokens: int | None = None) -> int:
-    """Tokenise `docs` (EOS after each) into a flat binary file; returns the token count.
+def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path: Path,
+                 max_tokens: int | None = None) -> int:
+    """Tokenise (text, ends_document) `pieces` (EOS after each document) into a flat binary
+    file; returns the token count.
 
     Written to a temporary file first, so a crash never leaves a truncated cache; the
     temporary files of killed runs on this host are removed (they can be gigabytes).
@@ -234,7 +226,7 @@ def write_tokens(docs: Iterable[str], tokenizer: Tokenizer, path: Path, max_toke
     count = 0
     try:
         with open(tmp, "wb") as f:
-            for batch in _batched(_pieces(docs)):
+            for batch in _batched(pieces):
                 ids = tokenizer.encode_batch([text for text, _ in batch])
                 flat = [t for piece, (_, ends) in zip(ids, batch)
                         for t in (piece + [tokenizer.eos_id] if ends else piece)]
@@ -280,12 +272,14 @@ def token_dtype(tokenizer: Tokenizer) -> type:
 
 
 def cached_tokens(
-    run_dir: str | Path, tokenizer: Tokenizer, docs: Iterable[str], source_key: dict, max_tokens: int | None = None,
+    run_dir: str | Path, tokenizer: Tokenizer, pieces: Iterable[tuple[str, bool]], source_key: dict,
+    max_tokens: int | None = None,
 ) -> np.ndarray:
-    """The token stream of `docs`, memory-mapped from run_dir; tokenised only on first use.
+    """The token stream of the documents' (text, ends_document) `pieces`, memory-mapped from
+    run_dir; tokenised only on first use.
 
-    The file name is a hash of source_key (what the docs are), max_tokens and the
-    full tokenizer, so changing any of them tokenises again. `docs` is only read then.
+    The file name is a hash of source_key (what the documents are), max_tokens and the
+    full tokenizer, so changing any of them tokenises again. `pieces` is only read then.
     """
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive or None (no cap), got {max_tokens}")
@@ -294,5 +288,5 @@ def cached_tokens(
     dtype = token_dtype(tokenizer)
     path = Path(run_dir) / f"tokens-{digest}.{np.dtype(dtype).name}.bin"
     if not path.is_file():
-        write_tokens(docs, tokenizer, path, max_tokens)
+        write_tokens(pieces, tokenizer, path, max_tokens)
     return np.memmap(path, dtype=dtype, mode="r")

@@ -30,6 +30,17 @@ def write_texts(dir_, docs):
     return dir_
 
 
+def documents(sources, **kwargs):
+    """The documents iter_pieces yields, each joined from its pieces."""
+    docs, text = [], ""
+    for piece, ends in D.iter_pieces(sources, **kwargs):
+        text += piece
+        if ends:
+            docs, text = docs + [text], ""
+    assert text == "", "the last piece must end its document"
+    return docs
+
+
 # --- sources -------------------------------------------------------------------------------------
 
 
@@ -38,15 +49,15 @@ def test_text_files_are_one_document_each(tmp_path):
     (tmp_path / "b.md").write_text("# title\n")
     (tmp_path / "c.weird").write_text("named directly, so read as text")
     sources = D.expand_sources([tmp_path / "a.txt", str(tmp_path / "b.md"), tmp_path / "c.weird"])
-    assert list(D.iter_documents(sources)) == ["hello\nworld\n", "# title\n", "named directly, so read as text"]
+    assert documents(sources) == ["hello\nworld\n", "# title\n", "named directly, so read as text"]
 
 
 def test_jsonl_with_custom_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"body": "first", "id": 1}) + "\n\n" + json.dumps({"body": "second"}) + "\n")
-    assert list(D.iter_documents(D.expand_sources(path), text_field="body")) == ["first", "second"]
+    assert documents(D.expand_sources(path), text_field="body") == ["first", "second"]
     with pytest.raises(ValueError, match="set text_field to one of"):
-        list(D.iter_documents(D.expand_sources(path)))  # default field "text" is missing
+        documents(D.expand_sources(path))  # default field "text" is missing
 
 
 def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
@@ -58,7 +69,7 @@ def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
     (tmp_path / ".hidden.txt").write_text("no")
     (tmp_path / ".git" / "x.txt").write_text("no")
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
-    assert list(D.iter_documents(D.expand_sources(tmp_path))) == ["A", "C", "B"]
+    assert documents(D.expand_sources(tmp_path)) == ["A", "C", "B"]
 
 
 def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
@@ -80,9 +91,9 @@ def test_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": ["one", "", "two"], "n": [1, 2, 3]}), tmp_path / "d.parquet")
-    assert list(D.iter_documents(D.expand_sources(tmp_path), text_field="content")) == ["one", "two"]
+    assert documents(D.expand_sources(tmp_path), text_field="content") == ["one", "two"]
     with pytest.raises(ValueError, match="no column 'text'"):
-        list(D.iter_documents(D.expand_sources(tmp_path)))
+        documents(D.expand_sources(tmp_path))
 
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
@@ -90,7 +101,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match="pip install pyarrow"):
-        list(D.iter_documents(D.expand_sources(tmp_path)))
+        documents(D.expand_sources(tmp_path))
 
 
 def test_hf_dataset_spec(monkeypatch):
@@ -101,11 +112,45 @@ def test_hf_dataset_spec(monkeypatch):
         return [{"text": "from hub"}, {"text": "again"}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert list(D.iter_documents(D.expand_sources("hf:org/name:cfg"))) == ["from hub", "again"]
+    assert documents(D.expand_sources("hf:org/name:cfg")) == ["from hub", "again"]
     assert calls == [("org/name", "cfg", "train")]
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install datasets"):
-        list(D.iter_documents(["hf:org/name"]))
+        documents(["hf:org/name"])
+
+
+def test_long_documents_come_in_pieces_cut_after_newlines(tmp_path):
+    text = "".join(f"line {i}\n" for i in range(30)) + "x" * 45 + "\nend"  # one line longer than a piece
+    (tmp_path / "long.txt").write_text(text)
+    (tmp_path / "blank.txt").write_text(" \n" * 40)  # blank, and longer than a piece: skipped
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    sources = D.expand_sources([tmp_path / "long.txt", tmp_path / "blank.txt", tmp_path / "d.jsonl"])
+    pieces = list(D.iter_pieces(sources, max_chars=20))
+    assert documents(sources, max_chars=20) == [text, text]
+    assert all(len(piece) <= 20 for piece, _ in pieces)
+    first = [piece for piece, _ in pieces[: len(pieces) // 2]]
+    assert first[:3] == ["line 0\nline 1\n", "line 2\nline 3\n", "line 4\nline 5\n"]
+    assert "x" * 20 in first  # no newline to cut after: cut at the limit
+    assert [ends for _, ends in pieces].count(True) == 2
+
+
+def test_a_huge_text_file_is_read_a_piece_at_a_time(tmp_path):
+    """Preparing data from one 64 MiB text file never holds the whole of it in memory."""
+    import tracemalloc
+
+    line = "the quick brown fox jumps over the lazy dog while pipeline stages pass tensors\n"
+    with open(tmp_path / "huge.txt", "w") as f:
+        for _ in range(64 * 2**20 // len(line)):
+            f.write(line)
+    tracemalloc.start()
+    try:
+        prepared = D.prepare_data(tmp_path / "run", tmp_path / "huge.txt", seq_len=16, vocab_size=300,
+                                  max_tokens=20_000, tokenizer_train_chars=100_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert prepared.num_tokens == 20_000
+    assert peak < 32 * 2**20, f"peak {peak / 2**20:.1f} MiB while reading a 64 MiB file"
 
 
 def test_missing_path_and_empty_directory(tmp_path):
@@ -188,7 +233,7 @@ def test_no_partial_token_cache_is_left_behind(tmp_path):
         partial.write_bytes(b"\0" * 64)
 
     def interrupted():
-        yield from make_docs()
+        yield from ((doc, True) for doc in make_docs())
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
