@@ -338,6 +338,8 @@ def validate(cfg: Config, world_size: int) -> None:
     check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
     check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")
     check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    check(d.eval_fraction > 0 or not cfg.eval.interval, "eval.interval: data.eval_fraction = 0 holds out no "
+          "sequences, so there is nothing to evaluate; raise data.eval_fraction, or set eval.interval = 0")
     check(t.batch_size % p.num_microbatches == 0,
           f"train.batch_size {t.batch_size} is not divisible by pipeline.num_microbatches {p.num_microbatches}: "
           "each pipeline step splits the batch into equal microbatches")

@@ -314,17 +314,22 @@ class TokenBatches:
 
 
 def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = True,
-                 need_labels: bool = True, drop_last: bool = False) -> Iterator[tuple]:
-    """The held-out sequences in a fixed order, the same on every rank.
+                 need_labels: bool = True, pad_to: int = 1) -> Iterator[tuple]:
+    """The held-out sequences in a fixed order, the same on every rank, as (inputs, labels,
+    num_sequences) batches of batch_size.
 
-    The last batch may be smaller unless drop_last (pipeline schedules that split
-    batches into equal micro-batches may need it).
+    The last batch may hold fewer sequences; it is padded up to a multiple of `pad_to` rows
+    (a schedule splits a batch into that many equal microbatches) that repeat its last
+    sequence with every label -100, so the padding adds nothing to the token-mean loss.
     """
-    stop = len(sequences) - len(sequences) % batch_size if drop_last else len(sequences)
-    for start in range(0, stop, batch_size):
+    for start in range(0, len(sequences), batch_size):
         rows = np.arange(start, min(start + batch_size, len(sequences)))
-        batch = sequences[rows] if (need_inputs or need_labels) else None
-        yield _make_batch(batch, need_inputs, need_labels)
+        padding = -len(rows) % pad_to
+        inputs, labels = _make_batch(sequences[np.pad(rows, (0, padding), mode="edge")]
+                                     if (need_inputs or need_labels) else None, need_inputs, need_labels)
+        if labels is not None and padding:
+            labels[len(rows):] = -100
+        yield inputs, labels, len(rows)
 
 
 @dataclass

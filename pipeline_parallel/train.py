@@ -165,13 +165,6 @@ class Trainer:
         with as_config_error("train.batch_size"):  # the same data on every rank, so the same outcome
             self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed,
                                         need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
-        m = cfg.pipeline.num_microbatches
-        self.eval_batch_size = min(cfg.train.batch_size, len(self.data.eval) // m * m)
-        if cfg.eval.interval and not self.eval_batch_size:  # the same data everywhere: every rank raises
-            raise ConfigError(
-                f"eval.interval: the held-out set has {len(self.data.eval)} sequences, fewer than "
-                f"pipeline.num_microbatches = {m}, so there is nothing to evaluate; raise data.eval_fraction "
-                "(or data.max_tokens), or set eval.interval = 0")
         self.step, self.tokens, self.checkpoint = 0, 0, None
         self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()
         self._resume_or_start(resume_from)
@@ -281,17 +274,18 @@ class Trainer:
         self._busy_seconds = self._pipeline_seconds = 0.0
         return 1.0 - busy / total if total > 0 else 0.0
 
-    def evaluate(self) -> float | None:
-        """Mean loss over (up to max_batches) held-out batches; None if there are too few sequences."""
-        if self.eval_batch_size == 0:
-            return None
-        losses = []
-        for inputs, labels in eval_batches(self.data.eval, self.eval_batch_size, need_inputs=self.pipe.is_first,
-                                           need_labels=self.pipe.is_last, drop_last=True):
-            losses.append(self.pipe.evaluate(inputs, labels))
-            if len(losses) == self.cfg.eval.max_batches:
+    def evaluate(self) -> float:
+        """Token-mean loss over (up to max_batches) held-out batches; a last smaller batch is padded
+        with ignored rows and weighs by its own sequences."""
+        total = count = 0
+        batches = eval_batches(self.data.eval, self.cfg.train.batch_size, need_inputs=self.pipe.is_first,
+                               need_labels=self.pipe.is_last, pad_to=self.pipe.num_microbatches)
+        for index, (inputs, labels, num_sequences) in enumerate(batches, 1):
+            total += self.pipe.evaluate(inputs, labels) * num_sequences  # packed: every label counts
+            count += num_sequences
+            if index == self.cfg.eval.max_batches:
                 break
-        return sum(losses) / len(losses)
+        return total / count
 
     def save(self) -> None:
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
@@ -326,10 +320,9 @@ class Trainer:
             bar.update(1)
             if cfg.eval.interval and (self.step % cfg.eval.interval == 0 or last):
                 eval_loss = self.evaluate()
-                if eval_loss is not None:
-                    self._log({"step": self.step, "eval_loss": eval_loss}, records)
-                    if self.reporter:
-                        bar.write(f"step {self.step}: eval loss {eval_loss:.4f}")
+                self._log({"step": self.step, "eval_loss": eval_loss}, records)
+                if self.reporter:
+                    bar.write(f"step {self.step}: eval loss {eval_loss:.4f}")
             if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
                 self.save()
         bar.close()

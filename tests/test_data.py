@@ -315,12 +315,16 @@ def test_pipeline_ranks_get_only_what_they_need_and_stay_in_sync():
 
 
 def test_eval_batches_cover_held_out_in_order():
-    seqs = D.Sequences.from_table(torch.arange(7 * 4).reshape(7, 4))
+    table = torch.arange(7 * 4).reshape(7, 4)
+    seqs = D.Sequences.from_table(table)
     batches = list(D.eval_batches(seqs, 3))
-    assert [x.shape[0] for x, _ in batches] == [3, 3, 1]
-    assert torch.equal(torch.cat([y for _, y in batches]), torch.arange(28).reshape(7, 4)[:, 1:])
-    assert len(list(D.eval_batches(seqs, 3, drop_last=True))) == 2
-    assert list(D.eval_batches(seqs, 3, need_inputs=False, need_labels=False))[0] == (None, None)
+    assert [(x.shape[0], n) for x, _, n in batches] == [(3, 3), (3, 3), (1, 1)]
+    assert torch.equal(torch.cat([y for _, y, _ in batches]), table[:, 1:])
+    assert list(D.eval_batches(seqs, 3, need_inputs=False, need_labels=False))[0] == (None, None, 3)
+    # The last batch is padded to a multiple of pad_to rows that repeat its last sequence, ignored.
+    *_, (x, y, n) = D.eval_batches(seqs, 4, pad_to=2)
+    assert n == 3 and torch.equal(x, table[[4, 5, 6, 6], :-1])
+    assert torch.equal(y[:3], table[4:, 1:]) and (y[3] == -100).all()
 
 
 # --- the offline default -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is
 
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
 from pipeline_parallel.config import ConfigError
-from pipeline_parallel.data import TokenBatches, eval_batches, prepare_data
+from pipeline_parallel.data import TokenBatches, prepare_data
 from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
@@ -24,7 +24,8 @@ from pipeline_parallel.train import Trainer
 def trained(tmp_path_factory, corpus):  # noqa: F811
     """A 2-rank run of 4 steps with tied embeddings (so export must drop and re-tie the LM head)."""
     run_dir = tmp_path_factory.mktemp("trained")
-    cfg = make_cfg(run_dir, corpus, **{"train.max_steps": 4, "eval.interval": 4, "model.tie_word_embeddings": True})
+    cfg = make_cfg(run_dir, corpus, **{"train.max_steps": 4, "eval.interval": 4, "eval.max_batches": 0,
+                                       "model.tie_word_embeddings": True})
     run_distributed(_fit, 2, cfg)
     return run_dir, cfg
 
@@ -44,14 +45,15 @@ def test_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids).logits, atol=1e-5, rtol=0)
 
-    # The pipelined held-out loss logged at step 4 is the exported model's loss on the same batches.
+    # The pipelined held-out loss logged at step 4 (eval.max_batches = 0: all of it) is the exported
+    # model's token-mean loss over every held-out sequence, the last smaller batch included.
     data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=cfg.data.tokenizer,
                         eval_fraction=cfg.data.eval_fraction)
-    losses = []
-    for inputs, labels in list(eval_batches(data.eval, cfg.train.batch_size, drop_last=True))[: cfg.eval.max_batches]:
-        with torch.no_grad():
-            losses.append(F.cross_entropy(hf(inputs).logits.flatten(0, 1), labels.flatten()).item())
-    assert np.mean(losses) == pytest.approx(_losses(run_dir, "eval_loss")[4], abs=1e-5)
+    assert len(data.eval) % cfg.train.batch_size % cfg.pipeline.num_microbatches, "the last batch must need padding"
+    held_out = data.eval[np.arange(len(data.eval))]
+    with torch.no_grad():
+        loss = F.cross_entropy(hf(held_out[:, :-1]).logits.flatten(0, 1), held_out[:, 1:].flatten()).item()
+    assert loss == pytest.approx(_losses(run_dir, "eval_loss")[4], abs=1e-5)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "def answer(self):\n    return 42\n"
