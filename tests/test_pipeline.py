@@ -414,6 +414,21 @@ def test_supported_model_families_match_their_own_forward(model_type):
     assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
 
 
+def test_starcoder2_embedding_dropout_is_applied_as_its_forward_does():
+    model = _family("starcoder2", embedding_dropout=0.5).train()
+    ref = copy.deepcopy(model)
+    x, y = make_batch(4, 8)
+    torch.manual_seed(3)
+    loss = pp.Pipeline(model, num_microbatches=1, device="cpu").step(x, y)
+    torch.manual_seed(3)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    with torch.no_grad():
+        assert full_loss(ref.eval(), x, y).item() != pytest.approx(ref_loss.item(), abs=1e-3)  # dropout matters
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert_grads_close(grads(model), grads(ref), set(grads(ref)), what="starcoder2")
+
+
 @pytest.mark.parametrize("model_type, extra, error, message", [
     ("gemma2", {}, TypeError, r"model_type 'gemma2'\) is not supported: .*scale or cap embeddings or logits"),
     ("gemma3_text", {}, TypeError, r"model_type 'gemma3_text'\) is not supported"),

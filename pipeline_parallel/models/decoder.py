@@ -27,6 +27,7 @@ class DecoderParts:
     embed_tokens: nn.Module | None = None
     norm: nn.Module | None = None
     lm_head: nn.Module | None = None
+    decoder: nn.Module | None = None  # `model.model` on the first stage: its mode decides embedding dropout
 
     @classmethod
     def of(cls, model: nn.Module, layer_indices: range, first: bool, last: bool) -> DecoderParts:
@@ -41,6 +42,7 @@ class DecoderParts:
             embed_tokens=model.model.embed_tokens if first else None,
             norm=model.model.norm if last else None,
             lm_head=model.lm_head if last else None,
+            decoder=model.model if first else None,
         )
 
     def modules(self) -> list[nn.Module]:
@@ -55,7 +57,12 @@ class DecoderParts:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Input IDs (first stage) or hidden states in; hidden states or logits (last stage) out."""
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        hidden = x
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(x)
+            dropout = getattr(self.config, "embedding_dropout", 0.0)  # StarCoder2's, applied in its forward
+            if dropout:
+                hidden = nn.functional.dropout(hidden, p=dropout, training=self.decoder.training)
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids)
