@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._checks import check_int
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -21,6 +23,7 @@ def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
     hidden * vocab (for a 32k vocabulary and a small hidden size that is several layers). The
     embedding is a lookup: nearly free, but not zero, so ties put it with fewer layers.
     """
+    check_int("seq_len", seq_len)
     hidden = config.hidden_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -107,8 +110,7 @@ def layer_ranges(layer_counts: list[int]) -> list[range]:
 
 
 def _check_stage_count(num_layers: int, num_stages: int) -> None:
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    check_int("num_stages", num_stages)
     if num_stages > num_layers:
         raise ValueError(
             f"cannot split {num_layers} decoder layers into {num_stages} pipeline stages: every stage needs at "

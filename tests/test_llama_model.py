@@ -122,10 +122,10 @@ def test_from_preset_overrides_and_errors():
 @pytest.mark.parametrize("overrides, message", [
     (dict(hidden_size=130), "hidden_size \\(130\\) must be divisible by num_attention_heads \\(4\\)"),
     (dict(num_key_value_heads=3), "num_attention_heads \\(4\\) must be divisible by num_key_value_heads \\(3\\)"),
-    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive int"),
-    (dict(vocab_size=-5), "vocab_size must be a positive int"),
-    (dict(intermediate_size=1.5), "intermediate_size must be a positive int"),
-    (dict(rms_norm_eps=0.0), "rms_norm_eps must be > 0"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1, got 0"),
+    (dict(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
+    (dict(intermediate_size=1.5), "intermediate_size must be an integer >= 1, got 1.5"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps must be a finite number > 0, got 0.0"),
     (dict(hidden_size=12, num_attention_heads=4, num_key_value_heads=4), "head_dim .* must be even"),
 ])
 def test_config_validation(overrides, message):

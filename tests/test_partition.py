@@ -102,8 +102,15 @@ def test_more_stages_than_layers_is_a_clear_error(layers, stages):
 
 
 def test_zero_stages_is_an_error():
-    with pytest.raises(ValueError, match="num_stages must be >= 1"):
+    with pytest.raises(ValueError, match="num_stages must be an integer >= 1"):
         balanced_layer_counts(4, 0)
+
+
+def test_a_sequence_length_below_one_is_an_error():
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match=f"seq_len must be an integer >= 1, got {bad}"):
+            estimate_costs(config, seq_len=bad)
 
 
 def test_check_layer_counts_accepts_valid_counts():

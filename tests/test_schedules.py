@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
-from pipeline_parallel.schedules import B, F, Kind, gpipe, lower, one_f_one_b, validate
+from pipeline_parallel.schedules import B, F, Kind, gpipe, lower, makespan, one_f_one_b, simulate, validate
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -165,7 +165,7 @@ def test_split_backwards_are_each_ranks_last_and_send_their_gradient_first():
                         # Deferred weight passes never hold more microbatches than the schedule does.
                         assert _peak_in_flight(actions) == _peak_in_flight(whole[rank]), (name, p, m, k, rank)
     for bad in ("all", -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"split must be a whole number >= 0 .* or None"):
+        with pytest.raises(ValueError, match=r"split must be an integer >= 0 .* or None"):
             build_schedule("1f1b", 2, 4, split=bad)
 
 
@@ -248,9 +248,31 @@ def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
 def test_unknown_schedule_and_bad_microbatch_counts():
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'.*choose one of"):
         build_schedule("zigzag", 2, 2)
-    for bad in (0, -1, 1.5, None):
+    for bad in (0, -1, 1.5, None, True):
         with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1"):
             build_schedule("1f1b", 2, bad)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_stages=0), r"num_stages must be an integer >= 1, got 0"),
+    (dict(num_stages=-1), r"num_stages must be an integer >= 1, got -1"),
+    (dict(stage_costs=[1.0]), r"stage_costs has 1 entries but there are 2 stages; give one relative cost per stage"),
+    (dict(stage_costs=[1.0, float("nan")]), r"stage_costs\[1\] must be a finite number > 0, got nan"),
+    (dict(stage_costs=[-1.0, 1.0]), r"stage_costs\[0\] must be a finite number > 0, got -1.0"),
+    (dict(stage_costs=[0, 0]), r"stage_costs\[0\] must be a finite number > 0, got 0"),
+])
+def test_bad_stage_counts_and_costs_are_clear_errors(kwargs, message):
+    args = {"name": "1f1b", "num_stages": 2, "num_microbatches": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        build_schedule(**args)
+
+
+def test_simulate_refuses_a_negative_or_unknown_duration():
+    schedule = one_f_one_b(2, 2)
+    assert makespan(simulate(schedule, 2, lambda a: 1.0)) > 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"the duration of .* is .*; every duration must be finite and >= 0"):
+            simulate(schedule, 2, lambda a: bad)
 
 
 # Hand-made broken schedules --------------------------------------------------------------------------------------

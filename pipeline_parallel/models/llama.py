@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_int, check_positive
+
 
 @dataclass
 class LlamaConfig:
@@ -29,12 +31,9 @@ class LlamaConfig:
             self.num_key_value_heads = self.num_attention_heads
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+            check_int(f"LlamaConfig.{name}", getattr(self, name))
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"LlamaConfig.{name} must be > 0, got {getattr(self, name)!r}")
+            check_positive(f"LlamaConfig.{name}", getattr(self, name))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "

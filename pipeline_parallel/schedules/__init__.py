@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .._checks import check_int, check_positive
 from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
 from .lowering import lower
@@ -26,8 +27,13 @@ def build_schedule(
     key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+    check_int("num_stages", num_stages)
+    check_int("num_microbatches", num_microbatches)
+    if stage_costs is not None:
+        if len(stage_costs) != num_stages:
+            raise ValueError(f"stage_costs has {len(stage_costs)} entries but there are {num_stages} stages; "
+                             "give one relative cost per stage")
+        stage_costs = [check_positive(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]

@@ -32,6 +32,7 @@ def simulate(
     I (its W placed as above): the gradient is handed on a weight pass sooner exactly where that
     shortens someone's wait.
     """
+    duration = _checked(duration)
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
     listed = {a for program in programs for a in program if a.kind == Kind.W}
@@ -120,3 +121,14 @@ def _peak_held(program: list[Action], listed: set[Action]) -> int:
 def makespan(times: dict[Action, tuple[float, float]]) -> float:
     """The step time of a simulated schedule: when its last action ends."""
     return max((end for _, end in times.values()), default=0.0)
+
+
+def _checked(duration: Callable[[Action], float]) -> Callable[[Action], float]:
+    """`duration`, raising a clear error for a time that is negative, infinite or not a number."""
+    def checked(action: Action) -> float:
+        seconds = duration(action)
+        if not 0 <= seconds < float("inf"):
+            raise ValueError(f"the duration of {action} is {seconds!r}; every duration must be finite and >= 0")
+        return seconds
+
+    return checked

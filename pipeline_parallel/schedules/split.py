@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .._checks import check_int
 from .actions import Action, I, Kind, Schedule, stage_to_rank
 from .simulate import makespan, simulate
 
@@ -18,10 +19,8 @@ def split_backwards(schedule: Schedule, num_stages: int, num_split: int, duratio
     `duration`s), or runs before a forward that would make the rank hold more microbatches than
     the schedule ever does, or at the end. The first stage has no input gradient and is not split.
     """
-    if isinstance(num_split, bool) or not isinstance(num_split, int) or num_split < 0:
-        raise ValueError(f"split must be a whole number >= 0 (how many of each rank's last backwards run as "
-                         f"input-gradient then weight-gradient passes), or None to let the simulator choose; "
-                         f"got {num_split!r}")
+    check_int("split", num_split, 0, hint=" (how many of each rank's last backwards run as input-gradient then "
+              "weight-gradient passes), or None to let the simulator choose")
     return _placed(schedule, num_stages, num_split, duration)[0]
 
 

@@ -1,0 +1,19 @@
+"""Argument checks shared by the public entry points, so each bad value gets one kind of message."""
+
+from __future__ import annotations
+
+import math
+
+
+def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
+    """`value` if it is an int (not a bool) of at least `minimum`, else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{hint}, got {value!r}")
+    return value
+
+
+def check_positive(name: str, value) -> float:
+    """`value` as a float if it is a finite number > 0, else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
