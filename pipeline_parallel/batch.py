@@ -33,6 +33,9 @@ def check_token_tensor(tensor, name: str, vocab_size: int, allow_ignore: bool) -
         return f"{name} must hold integer token IDs (torch.long), got dtype {tensor.dtype}"
     if tensor.dim() != 2 or tensor.numel() == 0:
         return f"{name} must be shaped [batch, seq_len] with both > 0, got shape {tuple(tensor.shape)}"
+    if tensor.layout != torch.strided or tensor.is_meta:
+        where = "on the meta device (no values)" if tensor.is_meta else f"{tensor.layout}"
+        return f"{name} must be a dense tensor holding its values, got one {where}"
     valid = tensor[tensor != IGNORE_INDEX] if allow_ignore else tensor
     if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
         allowed = f"0..{vocab_size - 1}" + (f" or {IGNORE_INDEX} (ignored)" if allow_ignore else "")
@@ -52,6 +55,7 @@ def agree_on_batch(
     num_microbatches: int,
     settings: dict[str, int],
     local_error: str | Exception | None = None,
+    details: dict[str, dict] | None = None,
 ) -> BatchInfo:
     """Check the batch where it is held, then share the facts so every rank raises the same error.
 
@@ -61,15 +65,19 @@ def agree_on_batch(
     """
     error = local_error
     facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
-    if error is None and input_ids is not None:
-        error = check_token_tensor(input_ids, "input_ids", vocab_size, allow_ignore=False)
-        if error is None:
-            facts[0:2] = input_ids.shape
-    if error is None and labels is not None:
-        error = check_token_tensor(labels, "labels", vocab_size, allow_ignore=True)
-        if error is None:
-            facts[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
-    rows = _gather_checked(comm, error, facts, settings)
+    try:
+        if error is None and input_ids is not None:
+            error = check_token_tensor(input_ids, "input_ids", vocab_size, allow_ignore=False)
+            if error is None:
+                facts[0:2] = input_ids.shape
+        if error is None and labels is not None:
+            error = check_token_tensor(labels, "labels", vocab_size, allow_ignore=True)
+            if error is None:
+                facts[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
+    except Exception as e:  # a tensor the checks cannot read: raised on every rank below, not here alone
+        error = ValueError(f"the batch could not be checked ({type(e).__name__}: {e}); pass input_ids and labels "
+                           "as plain dense tensors of token IDs")
+    rows = _gather_checked(comm, error, facts, settings, details)
     inputs = [row[1:3] for row in rows if row[1] >= 0]
     targets = [row[3:6] for row in rows if row[3] >= 0]
     if not inputs or not targets:
@@ -91,25 +99,41 @@ def agree_on_batch(
 _HINTS = {"mode": "every rank must call step() together, or evaluate() together"}
 
 
-def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None) -> None:
-    """Raise the same clear error on every rank if any rank failed or the ranks' settings differ."""
-    _gather_checked(comm, local_error, [-1] * 5, settings)
+def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None,
+                      details: dict[str, dict] | None = None) -> None:
+    """Raise the same clear error on every rank if any rank failed or the ranks' settings differ; for a
+    setting that is a dict in `details`, the error names the entries that differ and their values."""
+    _gather_checked(comm, local_error, [-1] * 5, settings, details)
 
 
-def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int]) -> list[list[int]]:
-    """All ranks' [error flag, *facts, *settings]; raises on every rank if any rank failed or disagrees."""
+def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int],
+                    details: dict[str, dict] | None = None) -> list[list[int]]:
+    """All ranks' [error flag, *facts, *settings]; raises on every rank if any rank failed or disagrees,
+    naming for a setting in `details` which of its entries differ."""
+    details = details or {}
     names = sorted(settings)
     rows = comm.all_gather_ints([int(error is not None), *facts, *(settings[n] for n in names)])
     failed = [rank for rank, row in enumerate(rows) if row[0]]
     if failed:
         _raise_shared_error(comm, error, failed)
     offset = 1 + len(facts)
-    for i, name in enumerate(names):
-        by_rank = [row[offset + i] for row in rows]
-        if len(set(by_rank)) > 1:
-            what = _HINTS.get(name, f"every rank must construct the pipeline and call the step with the same {name}")
-            raise ValueError(f"the pipeline ranks disagree on {name!r}: {what} (checksums by rank: {by_rank})")
+    differ = [name for i, name in enumerate(names) if len({row[offset + i] for row in rows}) > 1]
+    if differ:  # the same on every rank, so they all gather the details together
+        described = [f"{name!r} ({_differences(comm.all_gather_object(details[name]))})" if name in details
+                     else repr(name) for name in differ]
+        what = _HINTS.get(differ[0]) if len(differ) == 1 else None
+        what = what or f"every rank must construct the pipeline and call the step with the same {' and '.join(differ)}"
+        raise ValueError(f"the pipeline ranks disagree on {', '.join(described)}: {what}")
     return rows
+
+
+def _differences(by_rank: list[dict], most: int = 4) -> str:
+    """What differs between the ranks' dicts, e.g. "rope_theta: 10000.0 on rank 0, 1000000.0 on rank 1"."""
+    keys = sorted({key for values in by_rank for key in values}, key=lambda key: (key != "model_type", key))
+    differ = [key for key in keys if len({repr(values.get(key)) for values in by_rank}) > 1]
+    shown = [f"{key}: " + ", ".join(f"{values.get(key)!r} on rank {rank}" for rank, values in enumerate(by_rank))
+             for key in differ[:most]]
+    return "; ".join(shown + ([f"{len(differ) - most} more"] if len(differ) > most else []))
 
 
 def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:

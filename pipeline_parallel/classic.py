@@ -7,7 +7,7 @@ from torch import nn
 
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm
-from .models.decoder import DecoderParts, check_layout, tied_weight_end
+from .models.decoder import DecoderParts, check_layout, model_settings, tied_weight_end
 from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -46,11 +46,12 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     if error is None:
         input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
+    model_config = model_settings(model.config)
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
-                           model_config=(model.config.vocab_size, model.config.hidden_size, num_layers))
+                           model_config=sorted(model_config.items(), key=repr))
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
                           vocab_size=model.config.vocab_size, num_microbatches=max(num_microbatches, 1),
-                          settings=settings, local_error=error)
+                          settings=settings, local_error=error, details={"model_config": model_config})
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
     for module in parts.modules():
@@ -76,8 +77,8 @@ def _check_microbatches(inputs, targets) -> str | None:
     for name, value in (("inputs", inputs), ("targets", targets)):
         if not isinstance(value, (list, tuple)) or not value:
             return f"{name} must be a non-empty list of [microbatch, seq_len] token-ID tensors, got {type(value).__name__}"
-        if not all(isinstance(t, torch.Tensor) for t in value):
-            return f"every element of {name} must be a torch.Tensor of token IDs"
+        if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta for t in value):
+            return f"every element of {name} must be a dense torch.Tensor of token IDs, holding its values"
     if len(inputs) != len(targets):
         return f"got {len(inputs)} input microbatches but {len(targets)} target microbatches; give one target per input"
     for i, (x, y) in enumerate(zip(inputs, targets)):

@@ -8,9 +8,11 @@ import time
 import torch
 from torch import nn
 
+from ._checks import check_int
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm
-from .models.decoder import DecoderParts, check_layout, keep_local_part, materialize, tied_weight_end, weights_on_meta
+from .models.decoder import (DecoderParts, check_layout, keep_local_part, materialize, model_settings, tied_weight_end,
+                             weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -60,10 +62,11 @@ class Pipeline:
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
         num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
         self.num_microbatches, self.schedule, self.split = num_microbatches, schedule, split
+        model_config = model_settings(getattr(model, "config", None))
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
-            model_config=_config_summary(getattr(model, "config", None)), autocast_dtype=str(autocast_dtype),
-            split=split, seq_len=seq_len, seed=seed,
+            autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed,
+            model_config=sorted(model_config.items(), key=repr),
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
         on_meta = dtypes = None
@@ -71,7 +74,7 @@ class Pipeline:
             _check_autocast_dtype(autocast_dtype)
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
-            dtypes = [(name, str(p.dtype)) for name, p in model.named_parameters()]
+            dtypes = _parameter_dtypes(model)
             # The residual stream between stages keeps the embedding's dtype (autocast computes in
             # lower precision but adds in it), whatever dtype the stage's own layers hold.
             self.activation_dtype = model.model.embed_tokens.weight.dtype
@@ -79,7 +82,8 @@ class Pipeline:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
         local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes)
-        agree_on_settings(self.comm, {**self._settings, **local}, local_error=error)
+        agree_on_settings(self.comm, {**self._settings, **local}, local_error=error,
+                          details={"model_config": model_config})
         self.config = model.config
 
         tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
@@ -92,8 +96,10 @@ class Pipeline:
         self._tied_weight = None
         if tied:  # fetched after materialising, which may have replaced the Parameter
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
-            if on_meta:  # the two ends initialised their copies apart: the first stage's is the weight
-                self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
+            # The ends may hold different values (initialised apart, on meta or by the caller): as
+            # tying does in one process, the head takes the embedding, the first stage's copy.
+            self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
+        self._parts, self._dtypes = parts, _parameter_dtypes(self.model)  # what `_changed` compares with
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
 
@@ -101,9 +107,7 @@ class Pipeline:
         """Layers per stage and this rank's train and eval programs; raises on bad arguments
         (`build_schedule` checks the schedule, microbatch count and split)."""
         check_layout(model)
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive int (the sequence length to balance the stages for), "
-                             f"got {seq_len!r}")
+        check_int("seq_len", seq_len, hint=" (the sequence length to balance the stages for)")
         num_layers = len(model.model.layers)
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config, seq_len))
@@ -146,6 +150,7 @@ class Pipeline:
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches,
             settings={**self._settings, **fingerprint(mode="step" if training else "evaluate")},
+            local_error=self._changed(),
         )
         if info.num_target_tokens == 0:
             raise ValueError("every label of the batch is -100 (ignored): there is nothing to train on")
@@ -167,6 +172,28 @@ class Pipeline:
         loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
+
+    def _changed(self) -> str | None:
+        """Why this rank's model no longer is the one the Pipeline was built on, if it changed: a stage
+        runs the modules it found then, and transfers activations in the dtype it agreed on then."""
+        try:
+            now = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
+            tied = self._tied_weight is not None and self._tied_weight is not (
+                self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
+        except (AttributeError, KeyError, IndexError) as e:
+            return f"the model lost a part its stage runs after the Pipeline was built ({e}); build a new Pipeline"
+        replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), now) if was is not is_]
+        if replaced or tied:
+            what = ", ".join(replaced) or "the tied embedding's Parameter"
+            return (f"{what} of the model was replaced after the Pipeline was built, and the stage would go on "
+                    "running the old one; build a new Pipeline from the changed model")
+        dtypes = _parameter_dtypes(self.model)
+        if dtypes != self._dtypes:
+            name, was, is_ = next((n, a, b) for (n, a), (_, b) in zip(self._dtypes, dtypes) if a != b)
+            return (f"the model's parameter dtypes changed after the Pipeline was built ({name}: {was} -> {is_}), "
+                    "but its stages agreed on the dtypes they transfer then; convert the model first and build "
+                    "the Pipeline from it")
+        return None
 
     def parameters(self):
         """This rank's parameters (its stage only)."""
@@ -215,9 +242,6 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _config_summary(config) -> tuple:
-    """The model-shape fields every rank's model must share."""
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "tie_word_embeddings")
-    return tuple(getattr(config, key, None) for key in keys)
+def _parameter_dtypes(model: nn.Module) -> list[tuple[str, str]]:
+    return [(name, str(p.dtype)) for name, p in model.named_parameters()]
 

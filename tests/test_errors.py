@@ -62,6 +62,19 @@ def _partly_on_meta():
     return model
 
 
+def _replaced_head(group, replace: bool):
+    pipe = _pipe(group)
+    if replace:
+        pipe.model.lm_head = nn.Linear(pipe.config.hidden_size, pipe.config.vocab_size, bias=False)
+    return pipe
+
+
+def _converted_after(group):
+    pipe = _pipe(group)
+    pipe.model.to(torch.bfloat16)
+    return pipe
+
+
 def _set(tensor, index, value):
     tensor = tensor.clone()
     tensor[index] = value
@@ -77,9 +90,9 @@ PIPELINE_CASES = {
     "unknown-schedule": (lambda r, w, g: _pipe(g, schedule="zigzag"), ValueError,
                          r"unknown schedule 'zigzag'.*choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "bad-split": (lambda r, w, g: _pipe(g, split="all"), ValueError,
-                  r"split must be a whole number >= 0 \(how many of each rank's last backwards .*got 'all'"),
+                  r"split must be an integer >= 0 \(how many of each rank's last backwards .*got 'all'"),
     "seq-len-zero": (lambda r, w, g: _pipe(g, seq_len=0), ValueError,
-                     r"seq_len must be a positive int \(the sequence length to balance the stages for\), got 0"),
+                     r"seq_len must be an integer >= 1 \(the sequence length to balance the stages for\), got 0"),
     "schedule-none": (lambda r, w, g: _pipe(g, schedule=None), ValueError,
                       r"unknown schedule None; choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,
@@ -115,7 +128,24 @@ PIPELINE_CASES = {
                          r"ranks disagree on 'seq_len'"),
     "mismatch-model": (lambda r, w, g: pp.Pipeline(build("llama", 4, vocab=64 if r == 0 else 128), device="cpu",
                                                    group=g, num_microbatches=2), ValueError,
-                       r"ranks disagree on 'model_config'"),
+                       r"ranks disagree on 'model_config' \(vocab_size: 64 on rank 0, 128 on rank 1\): every rank "
+                       r"must construct the pipeline and call the step with the same model_config"),
+    "mismatch-rope-theta": (lambda r, w, g: pp.Pipeline(build("llama", 4, rope_theta=1e4 if r == 0 else 1e6),
+                                                        device="cpu", group=g, num_microbatches=2), ValueError,
+                            r"ranks disagree on 'model_config' \(rope_(theta|parameters): .*10000.0.* on rank 0, "
+                            r".*1000000.0.* on rank 1\)"),
+    "mismatch-model-type": (lambda r, w, g: pp.Pipeline(build("llama" if r == 0 else "qwen2", 4), device="cpu",
+                                                        group=g, num_microbatches=2), ValueError,
+                            r"ranks disagree on 'model_config' \(.*model_type: 'llama' on rank 0, 'qwen2' on "
+                            r"rank 1.*\), 'parameter_dtypes': every rank must construct the pipeline and call the "
+                            r"step with the same model_config and parameter_dtypes"),
+    "module-replaced-after-construction": (lambda r, w, g: _replaced_head(g, r == w - 1).step(X, Y), ValueError,
+                                           r"pipeline rank \d: lm_head of the model was replaced after the Pipeline "
+                                           r"was built, and the stage would go on running the old one"),
+    "dtype-changed-after-construction": (lambda r, w, g: _converted_after(g).step(X, Y), ValueError,
+                                         r"pipeline rank 0: the model's parameter "
+                                         r"dtypes changed after the Pipeline was built \(model.embed_tokens.weight: "
+                                         r"torch.float32 -> torch.bfloat16\)"),
     "mismatch-parameter-dtypes": (lambda r, w, g: pp.Pipeline(build("llama", 4).to(torch.bfloat16 if r == 0 else
                                                                                torch.float32), device="cpu",
                                                                group=g, num_microbatches=2), ValueError,
@@ -134,6 +164,10 @@ PIPELINE_CASES = {
     # step data
     "inputs-not-tensor": (lambda r, w, g: _step_with(g, x=X.tolist()), ValueError,
                           r"input_ids must be a torch.Tensor of token IDs shaped \[batch, seq_len\], got list"),
+    "inputs-on-meta": (lambda r, w, g: _step_with(g, x=X.to("meta")), ValueError,
+                       r"input_ids must be a dense tensor holding its values, got one on the meta device"),
+    "labels-sparse": (lambda r, w, g: _step_with(g, y=Y.to_sparse()), ValueError,
+                      r"labels must be a dense tensor holding its values, got one torch.sparse_coo"),
     "inputs-float": (lambda r, w, g: _step_with(g, x=X.float()), ValueError,
                      r"input_ids must hold integer token IDs \(torch.long\), got dtype torch.float32"),
     "inputs-1d": (lambda r, w, g: _step_with(g, x=X[0]), ValueError,
@@ -211,6 +245,10 @@ CLASSIC_CASES = {
     "classic-not-a-list": (lambda r, w, g: _classic(X, YS, api=pp.train_step_pipeline_afab), ValueError,
                            r"inputs must be a non-empty list of \[microbatch, seq_len\] token-ID tensors, got Tensor"),
     "classic-empty": (lambda r, w, g: _classic([], []), ValueError, r"inputs must be a non-empty list"),
+    "classic-meta-microbatch": (lambda r, w, g: _classic([XS[0], XS[1].to("meta")]), ValueError,
+                                r"every element of inputs must be a dense torch.Tensor of token IDs, holding its values"),
+    "classic-mismatch-rope-theta": (lambda r, w, g: _classic(model=build("llama", 4, rope_theta=1e4 * (1 + r))),
+                                    ValueError, r"ranks disagree on 'model_config' \(rope_(theta|parameters): "),
     "classic-bad-ids-on-first-rank-only": (lambda r, w, g: _classic([_set(XS[0], (0, 0), 500), XS[1]] if r == 0
                                                                     else XS), ValueError,
                                            r"pipeline rank 0: input_ids holds token IDs .* to 500"),
@@ -382,7 +420,7 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
 
 SINGLE = [
     "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "layout-linear", "layout-gpt2",
-    "inputs-not-tensor", "labels-missing-on-last", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
+    "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",
     "classic-microbatch-shapes", "classic-not-a-list", "classic-bad-targets", "classic-microbatch-all-ignored",

@@ -333,6 +333,23 @@ def test_hf_model_built_on_meta_device():
         assert torch.isfinite(torch.tensor(got["loss"]))
 
 
+def _tied_apart_worker(rank, world_size):
+    model, ref = build("llama", 4, tie=True), build("llama", 4, tie=True)
+    with torch.no_grad():  # each rank initialised its own copy of the tied matrix: the ends differ
+        model.lm_head.weight.add_(rank)
+    x, y = make_batch(4, 8, num_microbatches=2)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    end = model.model.embed_tokens.weight if pipe.is_first else model.lm_head.weight
+    same = torch.equal(end, ref.model.embed_tokens.weight)
+    return same, pipe.step(x, y), full_loss(ref, x, y).item()
+
+
+def test_tied_ends_initialised_apart_take_the_first_stages_embedding():
+    """As tying does in one process, the LM head is the embedding: the first rank's copy."""
+    for same, loss, want in run_distributed(_tied_apart_worker, 2, timeout=TIMEOUT):
+        assert same and loss == pytest.approx(want, abs=1e-5)
+
+
 def test_hf_tied_model_built_on_meta_stays_tied_on_one_rank():
     """One stage holds both ends: materialising must keep the embedding and LM head one matrix."""
     pipe = pp.Pipeline(build("llama", 2, tie=True, meta=True), num_microbatches=2, device="cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -45,10 +46,16 @@ class DecoderParts:
             decoder=model.model if first else None,
         )
 
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        """The modules this stage runs, under their names in the model."""
+        parts = [("model.embed_tokens", self.embed_tokens), ("model.rotary_emb", self.rotary_emb),
+                 *((f"model.layers.{i}", layer) for i, layer in self.layers), ("model.norm", self.norm),
+                 ("lm_head", self.lm_head)]
+        return [(name, module) for name, module in parts if module is not None]
+
     def modules(self) -> list[nn.Module]:
         """The modules with parameters this stage owns."""
-        parts = [self.embed_tokens, *(layer for _, layer in self.layers), self.norm, self.lm_head]
-        return [m for m in parts if m is not None]
+        return [module for name, module in self.named_modules() if name != "model.rotary_emb"]
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of `modules()`, each once (a tied embedding and head are one)."""
@@ -79,6 +86,21 @@ class DecoderParts:
         if self.lm_head is not None:
             hidden = self.lm_head(self.norm(hidden))
         return hidden
+
+
+# Config entries that say how a rank loaded or runs its model, not what the model computes.
+_RUN_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
+                              "use_cache", "return_dict", "output_attentions", "output_hidden_states", "_commit_hash"})
+
+
+def model_settings(config) -> dict[str, object]:
+    """Every setting of the model's config: each rank's must be the same (a different rope_theta on
+    one rank trains a model that exists nowhere). Dtypes are agreed per parameter instead."""
+    if hasattr(config, "to_dict"):  # Hugging Face's (a dataclass too in transformers 5, minus model_type)
+        values = config.to_dict()
+    else:
+        values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+    return {key: value for key, value in values.items() if key not in _RUN_CONFIG_KEYS}
 
 
 def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) -> nn.Parameter | None:
