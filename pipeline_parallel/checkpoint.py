@@ -301,8 +301,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
     _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
     _on_rank0(publish, rank, group, f"publish {final}; the previous checkpoint is untouched")
-    if rank == 0 and keep_last > 0:  # the least recently saved go, even when a resume from an older step
-        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=_save_order)  # saved higher ones
+    if rank == 0 and keep_last > 0:
+        # A step later than this one belongs to a run this one abandoned by resuming from an older
+        # step: those go first, then the least recently saved.
+        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final),
+                       key=lambda p: (_save_order(p)[1] < step, _save_order(p)))
         for path in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(path, ignore_errors=True)
     return final

@@ -254,6 +254,16 @@ def test_rotation_and_fallback_go_by_when_saved_after_resuming_an_older_step(tmp
     assert latest_checkpoint(tmp_path) == ckpt_dir / "step_000006"
 
 
+def test_rotation_drops_the_abandoned_run_before_the_step_resumed_from(tmp_path):
+    """Steps 20 and 30 saved, then resumed from 20 and saved 25: step 30 belongs to the abandoned
+    run and goes, not step 20, from which this run continues (though saved before 30)."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (20, 30, 25):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000020", "step_000025"]
+
+
 def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
     model = make_stage(0, 1)
     opt = train(model)
