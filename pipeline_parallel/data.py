@@ -259,23 +259,26 @@ class TokenBatches:
     """Endless (input_ids, labels) batches [batch_size, seq_len], reshuffled every epoch.
 
     The order depends only on (seed, epoch), and state_dict() is the exact position,
-    so a resumed run sees the batches an uninterrupted one would. In a pipeline,
+    so a resumed run sees the batches an uninterrupted one would. Each run of `group`
+    consecutive batches (the pipeline steps of one optimizer step) comes from one epoch, so
+    batch_size b with group g yields the sequences batch_size b * g does. In a pipeline,
     the first stage sets need_labels=False and the last need_inputs=False (None comes
     back instead; a middle stage reads nothing), but every rank must call next() the
     same number of times so their positions stay equal.
     """
 
     def __init__(self, sequences: Sequences | torch.Tensor | np.ndarray, batch_size: int, seed: int = 0,
-                 *, need_inputs: bool = True, need_labels: bool = True):
+                 *, need_inputs: bool = True, need_labels: bool = True, group: int = 1):
         self.seqs = sequences if isinstance(sequences, Sequences) else Sequences.from_table(sequences)
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if len(self.seqs) < batch_size:
+        if batch_size < 1 or group < 1:
+            raise ValueError(f"batch_size and group must be at least 1, got {batch_size} and {group}")
+        if len(self.seqs) < batch_size * group:
+            per_step = f"batch_size {batch_size}" + (f" x {group} accumulated batches" if group > 1 else "")
             raise ValueError(
-                f"{len(self.seqs)} training sequences are fewer than batch_size {batch_size}; "
+                f"{len(self.seqs)} training sequences are fewer than {per_step}; "
                 "add data, or lower batch_size or seq_len"
             )
-        self.batch_size, self.seed = batch_size, int(seed)
+        self.batch_size, self.group, self.seed = batch_size, group, int(seed)
         self.need_inputs, self.need_labels = need_inputs, need_labels
         self.epoch, self.index = 0, 0  # index: sequences of this epoch's order already used
         self._order_epoch, self._order = None, None
@@ -292,7 +295,8 @@ class TokenBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.index + self.batch_size > len(self.seqs):  # the rest of the epoch is too short
+        step, left = self.batch_size * self.group, len(self.seqs) - self.index  # sequences of one optimizer step
+        if (self.index % step == 0 and left < step) or left < self.batch_size:  # the rest of the epoch is too short
             self.epoch, self.index = self.epoch + 1, 0
         start, self.index = self.index, self.index + self.batch_size
         if not (self.need_inputs or self.need_labels):

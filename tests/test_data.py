@@ -287,6 +287,18 @@ def test_loader_resumes_exactly():
         D.TokenBatches(table, batch_size=4, seed=8).load_state_dict(state)
 
 
+def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
+    """batch_size 4 in groups of 2 (grad_accum_steps 2) yields what batch_size 8 does."""
+    table = torch.arange(23 * 5).reshape(23, 5)  # 2 steps of 8 per epoch, 7 sequences left over
+    big, small = D.TokenBatches(table, batch_size=8, seed=3), D.TokenBatches(table, batch_size=4, seed=3, group=2)
+    for _ in range(9):  # four epoch boundaries
+        x, y = next(big)
+        halves = [next(small), next(small)]
+        assert torch.equal(x, torch.cat([h[0] for h in halves])) and torch.equal(y, torch.cat([h[1] for h in halves]))
+    with pytest.raises(ValueError, match=r"fewer than batch_size 16 x 2 accumulated batches"):
+        D.TokenBatches(table, batch_size=16, group=2)
+
+
 def test_loader_reshuffles_each_epoch_and_depends_only_on_seed():
     table = torch.arange(16 * 3).reshape(16, 3)
     firsts = lambda b, n: [next(b)[0][:, 0].tolist() for _ in range(n)]  # noqa: E731

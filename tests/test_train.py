@@ -322,8 +322,9 @@ def test_measured_idle_share_is_logged(runs):
 @pytest.mark.parametrize("world_size, tie", [(1, False), (2, True)])
 def test_grad_accumulation_equals_one_larger_batch(corpus, tmp_path, world_size, tie):
     """2 pipeline steps of 4 sequences per optimizer step train like 1 step of the same 8 sequences
-    (on 2 ranks with tied embeddings too, whose two ends add up each step's gradient)."""
-    steps = {"train.max_steps": 3, "eval.interval": 0, "model.tie_word_embeddings": tie}
+    (on 2 ranks with tied embeddings too, whose two ends add up each step's gradient), also where
+    step 3 starts a new epoch: 21 sequences of 33 tokens, one held out, leave 4 after two steps."""
+    steps = {"train.max_steps": 3, "eval.interval": 0, "model.tie_word_embeddings": tie, "data.max_tokens": 21 * 33}
     fit = (lambda cfg: run(cfg)) if world_size == 1 else (lambda cfg: run_distributed(_fit, 2, cfg)[0])
     big = fit(make_cfg(tmp_path / "big", corpus, **steps))
     accum = fit(make_cfg(tmp_path / "accum", corpus, **steps, **{"train.batch_size": 4, "train.grad_accum_steps": 2}))
