@@ -27,15 +27,23 @@ from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
 WEIGHTS_FILE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 _EXPORT_MARK = {"exported_by": "pipeline_parallel"}  # in the weights' metadata: an export may be replaced
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def hf_config_dict(model: nn.Module, eos_id: int) -> dict:
-    """The model's Hugging Face config as a JSON-able dict, with the tokenizer's end-of-text id."""
-    config = model.config.to_hf_config() if hasattr(model.config, "to_hf_config") else model.config
+    """The model's Hugging Face config as a JSON-able dict, with the tokenizer's end-of-text id.
+
+    A Hugging Face model whose end-of-text ids include the tokenizer's keeps its own special
+    tokens (BOS, a list of EOS ids); otherwise, and for our own Llama, end-of-text is also BOS.
+    """
+    own = hasattr(model.config, "to_hf_config")
+    config = model.config.to_hf_config() if own else model.config
     config = type(config).from_dict(config.to_dict())  # a copy: the ids below must not leak into the model
-    config.eos_token_id = config.bos_token_id = eos_id
+    eos = config.eos_token_id
+    if own or not (eos == eos_id or (isinstance(eos, list) and eos_id in eos)):
+        config.eos_token_id = config.bos_token_id = eos_id
     return json.loads(config.to_json_string())
 
 
@@ -112,8 +120,10 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     return model.eval(), run_tokenizer(checkpoint.parent.parent)
 
 
-def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32") -> Path:
-    """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`.
+def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32",
+                  source: str | Path | None = None) -> Path:
+    """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`,
+    with the `generation_config.json` of `source` (the Hugging Face model it was trained from) if it has one.
 
     Written into a temporary directory and renamed, so `out_dir` is never half written. An
     existing `out_dir` is replaced only if it is empty or a Hugging Face model (an earlier export).
@@ -132,6 +142,8 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
+    if source and (Path(source) / GENERATION_CONFIG).is_file():  # its sampling defaults and stop tokens
+        shutil.copyfile(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -173,9 +185,10 @@ def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp
     """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
     checkpoint = resolve_checkpoint(path)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
-    check_replaceable(out_dir, read_extra(checkpoint).get("hf_model"))  # before the (long) load, not after it
+    source = read_extra(checkpoint).get("hf_model")
+    check_replaceable(out_dir, source)  # before the (long) load, not after it
     model, tokenizer = load_full_model(checkpoint, group)
-    return save_hf_model(model, tokenizer, out_dir, dtype), model, tokenizer
+    return save_hf_model(model, tokenizer, out_dir, dtype, source), model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -129,14 +129,18 @@ def _first_loss(rank, world_size, cfg):
 
 
 def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
-    """--hf-model: a Qwen2 (attention biases) starts from its weights on 2 ranks and exports back."""
+    """--hf-model: a Qwen2 (attention biases) starts from its weights on 2 ranks and exports back,
+    keeping its own special tokens and generation config."""
     tok = load_tokenizer(corpus[1])
     config = transformers.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, tie_word_embeddings=False)
+                                      max_position_embeddings=64, tie_word_embeddings=False,
+                                      bos_token_id=5, eos_token_id=[tok.eos_id, 9], pad_token_id=7)
     torch.manual_seed(0)
     original = transformers.Qwen2ForCausalLM(config).eval()
     hf_dir = save_hf_model(original, tok, tmp_path / "qwen")
+    transformers.GenerationConfig(bos_token_id=5, eos_token_id=[tok.eos_id, 9], temperature=0.6,
+                                  do_sample=True).save_pretrained(hf_dir)
     cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(hf_dir), **{"train.max_steps": 2, "export.at_end": True,
                                                                        "export.sample_tokens": 0})
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -158,6 +162,10 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
     assert hf_dir.joinpath("model.safetensors").read_bytes() == source
 
     exported, tokenizer = load_model(tmp_path / "run" / "export")
+    assert (exported.config.bos_token_id, exported.config.eos_token_id, exported.config.pad_token_id) == \
+        (5, [tok.eos_id, 9], 7)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "run" / "export")
+    assert generation.temperature == 0.6 and generation.eos_token_id == [tok.eos_id, 9]
     trained_model, _ = load_full_model(tmp_path / "run")
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     for name, value in trained_model.state_dict().items():
