@@ -431,6 +431,20 @@ def test_supported_model_families_match_their_own_forward(model_type):
     assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
 
 
+def test_gemma_built_on_meta_gets_its_embedding_scale():
+    """Gemma's embedding scale is a buffer no checkpoint holds; its _init_weights makes it."""
+    if TRANSFORMERS_MAJOR < 5:
+        pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
+    ref = _family("gemma")
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    pipe = pp.Pipeline(model, num_microbatches=1, device="cpu")
+    model.load_state_dict(ref.state_dict(), strict=False)  # the weights a --hf-model run loads next
+    assert model.model.embed_tokens.embed_scale.item() == pytest.approx(ref.config.hidden_size ** 0.5)
+    x, y = make_batch(4, 8)
+    assert pipe.step(x, y) == pytest.approx(full_loss(ref, x, y).item(), abs=1e-5)
+
+
 def test_starcoder2_embedding_dropout_is_applied_as_its_forward_does():
     model = _family("starcoder2", embedding_dropout=0.5).train()
     ref = copy.deepcopy(model)

@@ -248,7 +248,8 @@ def weights_on_meta(model: nn.Module) -> bool:
     """Whether `model`'s weights are yet to be made: True if every parameter is on the `meta` device.
 
     Raises if only some are (the rest would be silently re-initialised), or if a buffer other than
-    the rotary tables, which are recomputed from the config, is on meta.
+    the rotary tables, which are recomputed from the config, is on meta while the weights are not
+    (a Hugging Face model on meta has its buffers made by its `_init_weights`, as Gemma's scale).
     """
     params = list(model.named_parameters())
     on_meta = [name for name, p in params if p.is_meta]
@@ -260,7 +261,7 @@ def weights_on_meta(model: nn.Module) -> bool:
         )
     rotary = {id(b) for b in model.model.rotary_emb.buffers()}
     buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
-    if buffers:
+    if buffers and not (on_meta and _is_hf_config(model.config)):
         raise ValueError(f"buffer {buffers[0]} is on the meta device and the pipeline cannot recompute it; "
                          "give the model with its buffers allocated")
     return bool(on_meta)
@@ -279,10 +280,15 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
     if weights_on_meta(model):
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
+        rotary_ids = {id(b) for b in inner.rotary_emb.buffers()}
+        buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary_ids]
         model.to_empty(device=device)  # unties shared parameters
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
         with torch.no_grad():
+            for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
+                if model.get_buffer(name).is_floating_point():
+                    model.get_buffer(name).fill_(float("nan"))
             if hasattr(model, "init_weights") and not _is_hf_config(model.config):
                 model.init_weights(seed)
             else:  # each module from (seed, its name): the layers differ, whatever the split
@@ -291,6 +297,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
                     if not any(module is m for m in skip):
                         torch.manual_seed(seed_for_name(seed, name))
                         model._init_weights(module)
+        missed = [name for name in buffers if model.get_buffer(name).isnan().any()]
+        if missed:
+            raise ValueError(f"buffer {missed[0]} was on the meta device and the model's _init_weights does not "
+                             "compute it; give the model with its buffers allocated")
     elif not any(b.is_meta for b in inner.rotary_emb.buffers()):
         return
     rotary = inner.rotary_emb
