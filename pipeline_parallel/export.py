@@ -47,13 +47,9 @@ def hf_config_dict(model: nn.Module, eos_id: int) -> dict:
     return json.loads(config.to_json_string())
 
 
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy the weights of the local HF model at `path` into `model` (a full model or one stage).
-
-    Reads only the tensors this stage owns from the `*.safetensors` files, so no rank holds the
-    whole model. A tied LM head missing from the files takes the embedding.
-    """
+def _hf_tensors(model: nn.Module, path: str | Path) -> dict[str, tuple[str, object]]:
+    """Where in the `*.safetensors` files at `path` each of `model`'s tensors is: name -> (name in the
+    files, open file). A tied LM head missing from the files is the embedding. Raises if any is missing."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
@@ -62,19 +58,40 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
-    state = model.state_dict()
-    missing = []
-    for name, tensor in state.items():
+    found, missing = {}, []
+    for name in model.state_dict():
         source = name if name in where else "model.embed_tokens.weight" if name == "lm_head.weight" else None
-        if source not in where:
+        if source in where:
+            found[name] = (source, where[source])
+        else:
             missing.append(name)
-            continue
-        value = where[source].get_tensor(source)
-        if value.shape != tensor.shape:
-            raise ValueError(f"{path}: {source} has shape {tuple(value.shape)}, the model {tuple(tensor.shape)}")
-        tensor.copy_(value)
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} weights of this stage, e.g. {missing[:3]}")
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the {type(model).__name__} weights, e.g. {missing[:2]}, where its files "
+            f"hold e.g. {sorted(set(where) - {s for s, _ in found.values()})[:2]}: files whose layout transformers "
+            "converts while loading (as for the MoE families on transformers 5, whose experts it fuses) cannot be "
+            "read by name; give a model whose files name its weights as the model does")
+    return found
+
+
+def check_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Raise unless the files at `path` hold every weight of `model` under its name (reads headers only)."""
+    _hf_tensors(model, path)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | Path) -> None:
+    """Copy the weights of the local HF model at `path` into `model` (a full model or one stage).
+
+    Reads only the tensors this stage owns from the `*.safetensors` files, so no rank holds the
+    whole model. A tied LM head missing from the files takes the embedding.
+    """
+    state = model.state_dict()
+    for name, (source, handle) in _hf_tensors(model, path).items():
+        value = handle.get_tensor(source)
+        if value.shape != state[name].shape:
+            raise ValueError(f"{path}: {source} has shape {tuple(value.shape)}, the model {tuple(state[name].shape)}")
+        state[name].copy_(value)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

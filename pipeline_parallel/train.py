@@ -17,7 +17,8 @@ from tqdm import tqdm
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import EXPORT_DIR, TOKENIZER_DIR, check_replaceable, export, hf_config_dict, load_hf_weights
+from .export import (EXPORT_DIR, TOKENIZER_DIR, check_hf_weights, check_replaceable, export, hf_config_dict,
+                     load_hf_weights)
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
@@ -139,9 +140,10 @@ class Trainer:
             with as_config_error("export.at_end", FileExistsError):
                 check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
 
-        if cfg.hf_model:  # a model the pipeline cannot run is found now, not after the data is prepared
-            with as_config_error("hf_model", TypeError, ValueError):
-                check_layout(build_model(cfg, vocab_size=0))
+        if cfg.hf_model:  # a model the pipeline cannot run or load is found now, not after the data is prepared
+            with as_config_error("hf_model", TypeError, ValueError, FileNotFoundError):
+                check_layout(model := build_model(cfg, vocab_size=0))
+                check_hf_weights(model, cfg.hf_model)
 
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(

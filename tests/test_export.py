@@ -124,6 +124,28 @@ def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus,
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
 
+def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
+    """Transformers 5 fuses Mixtral's experts in memory but saves them one by one: loading by name
+    cannot work, so the run stops at once (transformers 4 names them alike, and the run starts)."""
+    config = transformers.MixtralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path / "mixtral")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "mixtral" / "model.safetensors"), framework="pt") as f:
+        if set(f.keys()) == set(model.state_dict()):
+            pytest.skip(f"transformers {transformers.__version__} saves Mixtral under its own names")
+    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(tmp_path / "mixtral"))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        setattr(cfg.model, key, None)
+    with pytest.raises(ConfigError, match=r"hf_model: .*mixtral lacks \d+ of the MixtralForCausalLM weights, e.g. "
+                                          r".*converts while loading"):
+        Trainer(cfg)
+    assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
+
+
 def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 
