@@ -181,19 +181,22 @@ class Pipeline:
             tied = self._tied_weight is not None and self._tied_weight is not (
                 self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
         except (AttributeError, KeyError, IndexError) as e:
-            return f"the model lost a part its stage runs after the Pipeline was built ({e}); build a new Pipeline"
+            return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
+                    "model before building the Pipeline from it")
         replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), now) if was is not is_]
         if replaced or tied:
             what = ", ".join(replaced) or "the tied embedding's Parameter"
             return (f"{what} of the model was replaced after the Pipeline was built, and the stage would go on "
-                    "running the old one; build a new Pipeline from the changed model")
-        dtypes = _parameter_dtypes(self.model)
-        if dtypes != self._dtypes:
-            name, was, is_ = next((n, a, b) for (n, a), (_, b) in zip(self._dtypes, dtypes) if a != b)
-            return (f"the model's parameter dtypes changed after the Pipeline was built ({name}: {was} -> {is_}), "
-                    "but its stages agreed on the dtypes they transfer then; convert the model first and build "
-                    "the Pipeline from it")
-        return None
+                    "running the old one; change the whole model before building the Pipeline from it")
+        then, now = dict(self._dtypes), dict(_parameter_dtypes(self.model))
+        if now == then:
+            return None
+        added, removed = [n for n in now if n not in then], [n for n in then if n not in now]
+        names = ([f"added {', '.join(added)}"] if added else []) + ([f"removed {', '.join(removed)}"] if removed else [])
+        changed = "; ".join(names) or next(f"{n}: {then[n]} -> {now[n]}" for n in now if now[n] != then[n])
+        return (f"the model's parameters changed after the Pipeline was built ({changed}), but its stages agreed on "
+                "them and on the dtypes they transfer then; change the whole model before building the Pipeline "
+                "from it")
 
     def parameters(self):
         """This rank's parameters (its stage only)."""

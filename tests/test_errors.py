@@ -69,6 +69,13 @@ def _replaced_head(group, replace: bool):
     return pipe
 
 
+def _with_extra_parameter(group, add: bool):
+    pipe = _pipe(group)
+    if add:  # say, an adapter registered on the model after the Pipeline split it
+        pipe.model.register_parameter("zz_adapter", nn.Parameter(torch.zeros(2)))
+    return pipe
+
+
 def _converted_after(group):
     pipe = _pipe(group)
     pipe.model.to(torch.bfloat16)
@@ -143,9 +150,11 @@ PIPELINE_CASES = {
                                            r"pipeline rank \d: lm_head of the model was replaced after the Pipeline "
                                            r"was built, and the stage would go on running the old one"),
     "dtype-changed-after-construction": (lambda r, w, g: _converted_after(g).step(X, Y), ValueError,
-                                         r"pipeline rank 0: the model's parameter "
-                                         r"dtypes changed after the Pipeline was built \(model.embed_tokens.weight: "
-                                         r"torch.float32 -> torch.bfloat16\)"),
+                                         r"pipeline rank 0: the model's parameters changed after the Pipeline was "
+                                         r"built \(model.embed_tokens.weight: torch.float32 -> torch.bfloat16\)"),
+    "parameter-added-after-construction": (lambda r, w, g: _with_extra_parameter(g, r == w - 1).step(X, Y),
+                                           ValueError, r"pipeline rank \d: the model's parameters changed after the "
+                                           r"Pipeline was built \(added zz_adapter\)"),
     "mismatch-parameter-dtypes": (lambda r, w, g: pp.Pipeline(build("llama", 4).to(torch.bfloat16 if r == 0 else
                                                                                torch.float32), device="cpu",
                                                                group=g, num_microbatches=2), ValueError,
