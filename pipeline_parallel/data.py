@@ -177,16 +177,16 @@ def iter_pieces(sources: Iterable[Source], text_field: str = "text",
     are decoded as UTF-8 with undecodable bytes replaced, so one odd file cannot stop a long run.
     """
     for src in sources:
-        if isinstance(src, Path) and src.suffix.lower() not in JSONL_SUFFIXES | PARQUET_SUFFIXES:
-            with open(src, encoding="utf-8", errors="replace") as f:
-                yield from _without_blank_start(_cut(f.read, max_chars))
-            continue
         if isinstance(src, str):
             docs = _hf_documents(src, text_field)
         elif src.suffix.lower() in JSONL_SUFFIXES:
             docs = _jsonl_documents(src, text_field)
-        else:
+        elif src.suffix.lower() in PARQUET_SUFFIXES:
             docs = _parquet_documents(src, text_field)
+        else:  # a text file: one document, read from the file a piece at a time
+            with open(src, encoding="utf-8", errors="replace") as f:
+                yield from _without_blank_start(_cut(f.read, max_chars))
+            continue
         for doc in docs:
             yield from _without_blank_start(_cut(_reader(doc), max_chars))
 
