@@ -177,13 +177,13 @@ class Pipeline:
         """Why this rank's model no longer is the one the Pipeline was built on, if it changed: a stage
         runs the modules it found then, and transfers activations in the dtype it agreed on then."""
         try:
-            now = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
+            modules = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
             tied = self._tied_weight is not None and self._tied_weight is not (
                 self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
         except (AttributeError, KeyError, IndexError) as e:
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
-        replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), now) if was is not is_]
+        replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), modules) if was is not is_]
         if replaced or tied:
             what = ", ".join(replaced) or "the tied embedding's Parameter"
             return (f"{what} of the model was replaced after the Pipeline was built, and the stage would go on "
