@@ -239,6 +239,9 @@ class Trainer:
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")
+        if self.step >= self.cfg.train.max_steps:
+            self.say(f"step {self.step} already reaches train.max_steps {self.cfg.train.max_steps}: nothing to train "
+                     "(the end of the run follows, with this checkpoint's model); raise train.max_steps to train on")
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum_steps pipeline steps; returns its metrics."""

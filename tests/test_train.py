@@ -271,6 +271,11 @@ def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     assert trainer.optimizer.state  # the moments were loaded
 
 
+def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(runs, corpus, capsys):
+    Trainer(make_cfg(runs[0], corpus, **{"train.max_steps": 4}))  # the run holds step 6
+    assert "step 6 already reaches train.max_steps 4: nothing to train" in capsys.readouterr().out
+
+
 def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(runs, corpus, tmp_path):
     whole = runs[0]
     text = corpus[0].read_text()
