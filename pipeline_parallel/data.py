@@ -281,6 +281,7 @@ class TokenBatches:
         self.batch_size, self.group, self.seed = batch_size, group, int(seed)
         self.need_inputs, self.need_labels = need_inputs, need_labels
         self.epoch, self.index = 0, 0  # index: sequences of this epoch's order already used
+        self._drawn = 0  # batches drawn since the start or a loaded position, each of which starts a group
         self._order_epoch, self._order = None, None
 
     def _epoch_order(self) -> np.ndarray:
@@ -295,16 +296,18 @@ class TokenBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        step, left = self.batch_size * self.group, len(self.seqs) - self.index  # sequences of one optimizer step
-        if (self.index % step == 0 and left < step) or left < self.batch_size:  # the rest of the epoch is too short
+        starts_group, left = self._drawn % self.group == 0, len(self.seqs) - self.index
+        if (starts_group and left < self.batch_size * self.group) or left < self.batch_size:  # the epoch's rest is short
             self.epoch, self.index = self.epoch + 1, 0
+        self._drawn += 1
         start, self.index = self.index, self.index + self.batch_size
         if not (self.need_inputs or self.need_labels):
             return None, None
         return _make_batch(self.seqs[self._epoch_order()[start : self.index]], self.need_inputs, self.need_labels)
 
     def state_dict(self) -> dict[str, int]:
-        """Plain ints (JSON-friendly): the position, and what it is only valid for."""
+        """Plain ints (JSON-friendly): the position, and what it is only valid for. Take it between
+        groups (after an optimizer step): a loaded position starts a group, whatever `group` was."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_sequences": len(self.seqs)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -314,7 +317,7 @@ class TokenBatches:
                 f"loader has {len(self.seqs)} with seed {self.seed}: resume with the same data, "
                 "tokenizer, max_tokens, seq_len, eval_fraction and seed"
             )
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.epoch, self.index, self._drawn = int(state["epoch"]), int(state["index"]), 0
 
 
 def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = True,

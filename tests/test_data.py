@@ -299,6 +299,19 @@ def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
         D.TokenBatches(table, batch_size=16, group=2)
 
 
+def test_a_resume_with_another_group_keeps_each_group_in_one_epoch():
+    """Saved with grad_accum_steps 1, resumed with 2: every pair of batches comes from one epoch."""
+    table = torch.arange(23 * 5).reshape(23, 5)
+    first = D.TokenBatches(table, batch_size=4, seed=3)
+    for _ in range(3):
+        next(first)
+    resumed = D.TokenBatches(table, batch_size=4, seed=3, group=2)
+    resumed.load_state_dict(first.state_dict())
+    for _ in range(8):
+        epochs = [(next(resumed), resumed.epoch)[1] for _ in range(2)]
+        assert epochs[0] == epochs[1]
+
+
 def test_loader_reshuffles_each_epoch_and_depends_only_on_seed():
     table = torch.arange(16 * 3).reshape(16, 3)
     firsts = lambda b, n: [next(b)[0][:, 0].tolist() for _ in range(n)]  # noqa: E731
