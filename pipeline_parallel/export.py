@@ -159,13 +159,24 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
-    if source and (Path(source) / GENERATION_CONFIG).is_file():  # its sampling defaults and stop tokens
+    if source and _keeps_special_tokens(config, Path(source)):  # its sampling defaults and stop tokens
         shutil.copyfile(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _keeps_special_tokens(config, source: Path) -> bool:
+    """Whether `source` has a generation config and `config` kept its BOS and EOS ids (see
+    `hf_config_dict`), so that generation config still names this model's special tokens."""
+    try:
+        saved = json.loads((source / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (source / GENERATION_CONFIG).is_file() and all(
+        saved.get(key) == getattr(config, key, None) for key in ("bos_token_id", "eos_token_id"))
 
 
 def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:

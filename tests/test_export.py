@@ -16,7 +16,7 @@ from pipeline_parallel.data import TokenBatches, prepare_data
 from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
-from pipeline_parallel.tokenizer import load_tokenizer
+from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import Trainer
 
 
@@ -108,6 +108,21 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_path):
+    """A model whose BOS/EOS the run replaced (another tokenizer) must not carry the source's
+    generation config, which names the old ones."""
+    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
+    config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, bos_token_id=1, eos_token_id=7)
+    source = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "source")
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=7, do_sample=True, temperature=0.6).save_pretrained(source)
+    kept = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "kept", source=source)
+    assert (kept / "generation_config.json").is_file()
+    config.bos_token_id = config.eos_token_id = tok.eos_id  # what hf_config_dict does for another tokenizer
+    replaced = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "replaced", source=source)
+    assert not (replaced / "generation_config.json").exists()
 
 
 def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
