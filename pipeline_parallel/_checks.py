@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 
 def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
@@ -13,7 +14,7 @@ def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
 
 
 def check_positive(name: str, value) -> float:
-    """`value` as a float if it is a finite number > 0, else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+    """`value` as a float if it is a finite real number > 0 (numpy's too), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
