@@ -22,7 +22,16 @@ class BatchInfo:
 
 def fingerprint(**settings) -> dict[str, int]:
     """A checksum per setting that must be equal on every rank, e.g. schedule or layer split."""
-    return {name: zlib.crc32(repr(value).encode()) & 0x7FFFFFFF for name, value in settings.items()}
+    return {name: zlib.crc32(repr(_canonical(value)).encode()) & 0x7FFFFFFF for name, value in settings.items()}
+
+
+def _canonical(value):
+    """`value` with every dict's entries in key order, so equal settings read alike on every rank."""
+    if isinstance(value, dict):
+        return sorted(((repr(key), _canonical(item)) for key, item in value.items()), key=lambda entry: entry[0])
+    if isinstance(value, (list, tuple)):
+        return type(value)(_canonical(item) for item in value)
+    return value
 
 
 def check_token_tensor(tensor, name: str, vocab_size: int, allow_ignore: bool) -> str | None:
@@ -130,7 +139,7 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
 def _differences(by_rank: list[dict], most: int = 4) -> str:
     """What differs between the ranks' dicts, e.g. "rope_theta: 10000.0 on rank 0, 1000000.0 on rank 1"."""
     keys = sorted({key for values in by_rank for key in values}, key=lambda key: (key != "model_type", key))
-    differ = [key for key in keys if len({repr(values.get(key)) for values in by_rank}) > 1]
+    differ = [key for key in keys if len({repr(_canonical(values.get(key))) for values in by_rank}) > 1]
     shown = [f"{key}: " + ", ".join(f"{values.get(key)!r} on rank {rank}" for rank, values in enumerate(by_rank))
              for key in differ[:most]]
     return "; ".join(shown + ([f"{len(differ) - most} more"] if len(differ) > most else []))

@@ -48,7 +48,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
     model_config = model_settings(model.config)
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
-                           model_config=sorted(model_config.items(), key=repr))
+                           model_config=model_config)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
                           vocab_size=model.config.vocab_size, num_microbatches=max(num_microbatches, 1),
                           settings=settings, local_error=error, details={"model_config": model_config})

@@ -66,7 +66,7 @@ class Pipeline:
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
             autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed,
-            model_config=sorted(model_config.items(), key=repr),
+            model_config=model_config,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
         on_meta = dtypes = None
@@ -184,19 +184,21 @@ class Pipeline:
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
         replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), modules) if was is not is_]
-        if replaced or tied:
-            what = ", ".join(replaced) or "the tied embedding's Parameter"
-            return (f"{what} of the model was replaced after the Pipeline was built, and the stage would go on "
-                    "running the old one; change the whole model before building the Pipeline from it")
+        if replaced:
+            return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
+                    "would go on running the old one; change the whole model before building the Pipeline from it")
+        if tied:
+            return ("the tied embedding's Parameter was replaced after the Pipeline was built (say, by "
+                    "load_state_dict(assign=True)), and the step would go on adding the two ends' gradients into "
+                    "the old one; load the weights in place, or before building the Pipeline")
+        # Parameters added inside a layer (adapters) are run as the layer runs them; a changed dtype is not
+        # what the stages agreed to transfer.
         then, now = dict(self._dtypes), dict(_parameter_dtypes(self.model))
-        if now == then:
-            return None
-        added, removed = [n for n in now if n not in then], [n for n in then if n not in now]
-        names = ([f"added {', '.join(added)}"] if added else []) + ([f"removed {', '.join(removed)}"] if removed else [])
-        changed = "; ".join(names) or next(f"{n}: {then[n]} -> {now[n]}" for n in now if now[n] != then[n])
-        return (f"the model's parameters changed after the Pipeline was built ({changed}), but its stages agreed on "
-                "them and on the dtypes they transfer then; change the whole model before building the Pipeline "
-                "from it")
+        changed = next((f"{n}: {then[n]} -> {now[n]}" for n in now if n in then and now[n] != then[n]), None)
+        if changed:
+            return (f"the model's parameter dtypes changed after the Pipeline was built ({changed}), but its stages "
+                    "agreed on the dtypes they transfer then; convert the model before building the Pipeline")
+        return None
 
     def parameters(self):
         """This rank's parameters (its stage only)."""

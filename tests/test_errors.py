@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 from datetime import timedelta
 
 import pytest
@@ -69,11 +70,11 @@ def _replaced_head(group, replace: bool):
     return pipe
 
 
-def _with_extra_parameter(group, add: bool):
-    pipe = _pipe(group)
-    if add:  # say, an adapter registered on the model after the Pipeline split it
-        pipe.model.register_parameter("zz_adapter", nn.Parameter(torch.zeros(2)))
-    return pipe
+def _plain_config_model(vocab: int):
+    """Our Llama whose config is a plain object (not a Hugging Face config, not a dataclass)."""
+    model = build("own", 4, vocab=vocab)
+    model.config = types.SimpleNamespace(**vars(model.config))
+    return model
 
 
 def _converted_after(group):
@@ -150,11 +151,12 @@ PIPELINE_CASES = {
                                            r"pipeline rank \d: lm_head of the model was replaced after the Pipeline "
                                            r"was built, and the stage would go on running the old one"),
     "dtype-changed-after-construction": (lambda r, w, g: _converted_after(g).step(X, Y), ValueError,
-                                         r"pipeline rank 0: the model's parameters changed after the Pipeline was "
-                                         r"built \(model.embed_tokens.weight: torch.float32 -> torch.bfloat16\)"),
-    "parameter-added-after-construction": (lambda r, w, g: _with_extra_parameter(g, r == w - 1).step(X, Y),
-                                           ValueError, r"pipeline rank \d: the model's parameters changed after the "
-                                           r"Pipeline was built \(added zz_adapter\)"),
+                                         r"pipeline rank 0: the model's parameter dtypes changed after the Pipeline "
+                                         r"was built \(model.embed_tokens.weight: torch.float32 -> torch.bfloat16\)"),
+    "mismatch-config-of-another-kind": (lambda r, w, g: pp.Pipeline(_plain_config_model(vocab=64 + 64 * min(r, 1)),
+                                                                    device="cpu", group=g, num_microbatches=2),
+                                        ValueError, r"ranks disagree on 'model_config' \(vocab_size: 64 on "
+                                        r"rank 0, 128 on rank 1"),
     "mismatch-parameter-dtypes": (lambda r, w, g: pp.Pipeline(build("llama", 4).to(torch.bfloat16 if r == 0 else
                                                                                torch.float32), device="cpu",
                                                                group=g, num_microbatches=2), ValueError,
@@ -450,3 +452,13 @@ def test_single_process_errors(name):
 def test_single_process_more_stages_than_layers_in_layer_counts():
     with pytest.raises(ValueError, match=r"layer_counts has 2 entries but there are 1 pipeline stages"):
         _pipe(None, layer_counts=[2, 2])
+
+
+def test_settings_that_differ_only_in_dict_order_agree():
+    """A rope dict loaded from one file lists its keys in another order than one built in code."""
+    from pipeline_parallel.batch import fingerprint
+
+    one = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}, "vocab_size": 64}
+    other = {"vocab_size": 64, "rope_parameters": {"rope_theta": 5e5, "factor": 8.0, "rope_type": "llama3"}}
+    assert fingerprint(model_config=one) == fingerprint(model_config=other)
+    assert fingerprint(model_config=one) != fingerprint(model_config={**one, "vocab_size": 65})

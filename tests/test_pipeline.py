@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from _dist import run_distributed
 from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
 
@@ -429,6 +430,18 @@ def test_supported_model_families_match_their_own_forward(model_type):
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
     assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
+
+
+def test_a_layer_reparametrised_after_construction_trains_as_it_runs():
+    """Weight norm (or an adapter) added inside a layer after the Pipeline split the model: the
+    stage runs the layer as it is, so the step is that of the same change on one process."""
+    model, ref = build("llama", 2), build("llama", 2)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    for m in (model, ref):
+        layer = m.model.layers["0"] if isinstance(m.model.layers, nn.ModuleDict) else m.model.layers[0]
+        nn.utils.parametrizations.weight_norm(layer.mlp.up_proj)
+    x, y = make_batch(4, 8, num_microbatches=2)
+    assert pipe.step(x, y) == pytest.approx(full_loss(ref, x, y).item(), abs=1e-5)
 
 
 def test_gemma_built_on_meta_gets_its_embedding_scale():

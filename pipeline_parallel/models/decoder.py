@@ -98,8 +98,11 @@ def model_settings(config) -> dict[str, object]:
     one rank trains a model that exists nowhere). Dtypes are agreed per parameter instead."""
     if hasattr(config, "to_dict"):  # Hugging Face's (a dataclass too in transformers 5, minus model_type)
         values = config.to_dict()
-    else:
-        values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+    elif dataclasses.is_dataclass(config):
+        values = dataclasses.asdict(config)
+    else:  # any other object: its public attributes
+        values = {key: value for key, value in vars(config).items() if not key.startswith("_")} \
+            if hasattr(config, "__dict__") else {}
     return {key: value for key, value in values.items() if key not in _RUN_CONFIG_KEYS}
 
 
