@@ -166,3 +166,9 @@ def test_generate_shape_and_reproducibility():
         generate(model, prompt, max_new_tokens=1, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         generate(model, prompt, max_new_tokens=1, top_k=-3)
+
+
+def test_config_takes_numpy_floats():
+    import numpy as np
+
+    assert LlamaConfig(rms_norm_eps=np.float32(1e-5)).rms_norm_eps == np.float32(1e-5)
