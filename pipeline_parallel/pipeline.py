@@ -99,7 +99,7 @@ class Pipeline:
             # The ends may hold different values (initialised apart, on meta or by the caller): as
             # tying does in one process, the head takes the embedding, the first stage's copy.
             self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
-        self._parts, self._dtypes = parts, _parameter_dtypes(self.model)  # what `_changed` compares with
+        self._dtypes = _parameter_dtypes(self.model)  # what `_changed` compares with, as the stage's parts
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
 
@@ -183,7 +183,7 @@ class Pipeline:
         except (AttributeError, KeyError, IndexError) as e:
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
-        replaced = [name for (name, was), (_, is_) in zip(self._parts.named_modules(), modules) if was is not is_]
+        replaced = [name for (name, was), (_, is_) in zip(self.stage.parts.named_modules(), modules) if was is not is_]
         if replaced:
             return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
                     "would go on running the old one; change the whole model before building the Pipeline from it")
