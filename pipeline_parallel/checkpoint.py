@@ -304,8 +304,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if rank == 0 and keep_last > 0:
         # A step later than this one belongs to a run this one abandoned by resuming from an older
         # step: those go first, then the least recently saved.
-        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final),
-                       key=lambda p: (_save_order(p)[1] < step, _save_order(p)))
+        def abandoned_first(path: Path) -> tuple:
+            order = _save_order(path)  # (save number, step)
+            return order[1] < step, order
+
+        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=abandoned_first)
         for path in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(path, ignore_errors=True)
     return final
