@@ -262,12 +262,17 @@ def weights_on_meta(model: nn.Module) -> bool:
             "but the rest hold values; load every weight (load_state_dict(..., assign=True) with a full state "
             "dict) or build the whole model on meta, and the pipeline initialises its own part"
         )
-    rotary = {id(b) for b in model.model.rotary_emb.buffers()}
-    buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
+    buffers = _meta_buffers(model)
     if buffers and not (on_meta and _is_hf_config(model.config)):
         raise ValueError(f"buffer {buffers[0]} is on the meta device and the pipeline cannot recompute it; "
                          "give the model with its buffers allocated")
     return bool(on_meta)
+
+
+def _meta_buffers(model: nn.Module) -> list[str]:
+    """The names of the model's buffers on the meta device, other than the rotary tables."""
+    rotary = {id(b) for b in model.model.rotary_emb.buffers()}
+    return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
@@ -283,8 +288,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
     if weights_on_meta(model):
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
-        rotary_ids = {id(b) for b in inner.rotary_emb.buffers()}
-        buffers = [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary_ids]
+        buffers = _meta_buffers(model)
         model.to_empty(device=device)  # unties shared parameters
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
