@@ -331,11 +331,11 @@ def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = T
     """
     for start in range(0, len(sequences), batch_size):
         rows = np.arange(start, min(start + batch_size, len(sequences)))
-        padding = -len(rows) % pad_to
-        inputs, labels = _make_batch(sequences[np.pad(rows, (0, padding), mode="edge")]
-                                     if (need_inputs or need_labels) else None, need_inputs, need_labels)
-        if labels is not None and padding:
-            labels[len(rows):] = -100
+        padded = np.pad(rows, (0, -len(rows) % pad_to), mode="edge")
+        batch = sequences[padded] if (need_inputs or need_labels) else None
+        inputs, labels = _make_batch(batch, need_inputs, need_labels)
+        if labels is not None:
+            labels[len(rows):] = -100  # the padding rows, if any
         yield inputs, labels, len(rows)
 
 
