@@ -11,7 +11,9 @@ cancels out and one can tell a difference from noise. Besides the ratio to torch
 bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
 same ideal from a T_single taken while every rank runs one (a CPU's cores share caches, memory
 bandwidth and clock, which no schedule can help), and with its floor: the step time the
-schedule allows with the compute times measured in our run.
+schedule allows with the compute times measured in our run. It also prints each engine's minor
+page faults per step on each rank: memory the allocator returned to the system and takes again
+is faulted in page by page, a CPU cost that depends on what ran before in the process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import collections
 import copy
 import os
 import random
+import resource
 import socket
 import statistics
 import time
@@ -106,6 +109,9 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     # machine cancels out; the report gives their median over the rounds. The order rotates from
     # round to round, so no engine always follows the same one.
     times = {name: [[] for _ in range(args.rounds)] for name in engines}
+    # Minor page faults per step: on a CPU, memory the allocator gave back and takes again is
+    # faulted in page by page, a cost that depends on what ran before as much as on the engine.
+    faults = {name: [] for name in engines}
     durations = {name: [collections.defaultdict(list) for _ in range(args.rounds)] for name in pipes}
     order = list(engines)
     for r in range(args.rounds):
@@ -115,9 +121,11 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                 fn()
             for _ in range(args.steps):
                 dist.barrier()
+                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 fn()
                 elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
                 if name == "single busy":
                     dist.all_reduce(elapsed)
                     elapsed /= world
@@ -131,13 +139,15 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
     medians = {name: [{a: statistics.median(d) for a, d in per_action.items()} for per_action in rounds]
                for name, rounds in durations.items()}
     gathered = [None] * world
-    dist.all_gather_object(gathered, (medians, {name: pipe.program for name, pipe in pipes.items()}))
+    dist.all_gather_object(gathered, (medians, {name: pipe.program for name, pipe in pipes.items()},
+                                      {name: statistics.median(f) for name, f in faults.items()}))
     if rank == 0:
         # Our compute times of each round, all ranks together, per schedule; and each rank's program.
-        measured = {name: [{a: d for per_rank, _ in gathered for a, d in per_rank[name][r].items()}
+        measured = {name: [{a: d for per_rank, _, _ in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
-        programs = {name: [ran[name] for _, ran in gathered] for name in pipes}
-        results.put((times, counts, measured, programs))
+        programs = {name: [ran[name] for _, ran, _ in gathered] for name in pipes}
+        faults_per_rank = {name: [round(per_rank[name]) for _, _, per_rank in gathered] for name in engines}
+        results.put((times, counts, measured, programs, faults_per_rank))
     dist.destroy_process_group()
 
 
@@ -217,7 +227,7 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    times, counts, measured, programs = results.get()
+    times, counts, measured, programs, faults = results.get()
     for p in procs:
         p.join()
 
@@ -250,7 +260,7 @@ def main() -> None:
     print("ratios: median over rounds [95% confidence interval of that median]; 'best': each engine's fastest "
           "step against the others'")
     print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
-          f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}")
+          f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}  page faults/step by rank")
 
     def ratio(a, b):
         values = [x / y for x, y in zip(a, b)]
@@ -262,7 +272,8 @@ def main() -> None:
         vs_floor = ratio(t, floors[schedule]) if name.startswith("ours") else "-"
         print(f"{name:<12} {med(t) * 1e3:8.1f}  {ratio(t, per_round['torch ' + schedule]):<21} "
               f"{ratio(t, ideal):<21} {ratio(t, busy_ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
-              f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}")
+              f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}  {faults[name]}")
+    print(f"single-process page faults/step by rank: {faults['single']} (one thread), {faults['single busy']} (all)")
 
 
 if __name__ == "__main__":
