@@ -88,10 +88,9 @@ class PipelineStage:
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy (fp32 logits, -100 ignored); callers scale it to the mean they want."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    """Summed token cross-entropy (logits in at least fp32, -100 ignored); callers scale it to the mean they want."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class _WeightPass:

@@ -209,3 +209,19 @@ def test_classic_world_one_needs_no_process_group():
     assert loss == pytest.approx(ref_loss, abs=1e-5)
     assert_grads_close(grads(model), ref_grads, names)
     assert not dist.is_initialized()
+
+
+def test_classic_float64_keeps_float64_loss_and_gradients():
+    """dtype=float64 means the loss too: cross-entropy is not taken in float32 (a 1e-7 error before)."""
+    case = Case("f64", "afab", 2, hooks=False)
+    inputs, targets = _microbatches(case, 0)
+    model, ref = _model(case), _model(case).double()
+    loss = pp.train_step_pipeline_afab(model, inputs, targets, "cpu", torch.float64)
+    ref_loss = 0.0
+    for x, y in zip(inputs, targets):
+        mb_loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100) / len(inputs)
+        mb_loss.backward()
+        ref_loss += mb_loss.item()
+    assert loss == pytest.approx(ref_loss, abs=1e-12)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-12, rtol=0, msg=name)
