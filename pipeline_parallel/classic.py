@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .batch import agree_on_batch, fingerprint
-from .comm import PipeComm
+from .comm import PipeComm, default_device
 from .models.decoder import DecoderParts, check_layout, model_settings, tied_weight_end
 from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
@@ -33,25 +33,30 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype) -> float | N
 
 
 def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str) -> float | None:
-    check_layout(model)
-    device = torch.device(device)
+    error, device = _check_device(device)
     comm = PipeComm(None, device)
-    num_layers = len(model.model.layers)
-    layer_counts = balanced_layer_counts(num_layers, comm.pp_size)  # even split, as the classic API promises
     stage_idx, num_stages = comm.pp_rank, comm.pp_size
     first, last = stage_idx == 0, stage_idx == num_stages - 1
 
-    error = _check_microbatches(inputs, targets)
+    # Every local check feeds the shared agreement below, so a rank that fails alone fails them all.
     input_ids = labels = None
-    if error is None:
-        input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
+    num_layers, model_config = 0, {}
+    try:
+        check_layout(model)
+        num_layers, model_config = len(model.model.layers), model_settings(model.config)
+        error = error or _check_dtype(dtype) or _check_microbatches(inputs, targets)
+        if error is None:
+            input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
+    except (TypeError, ValueError) as e:
+        error = e
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
-    model_config = model_settings(model.config)
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
-                           model_config=model_config)
+                           num_layers=num_layers, model_config=model_config)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
-                          vocab_size=model.config.vocab_size, num_microbatches=max(num_microbatches, 1),
+                          vocab_size=getattr(getattr(model, "config", None), "vocab_size", 0),
+                          num_microbatches=max(num_microbatches, 1),
                           settings=settings, local_error=error, details={"model_config": model_config})
+    layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
     for module in parts.modules():
@@ -72,6 +77,23 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     return loss if last else None
 
 
+def _check_device(device) -> tuple[str | None, torch.device]:
+    """Why `device` cannot hold tensors here, or None; and the device to agree on with the other ranks."""
+    try:
+        torch.empty(0, device=torch.device(device))
+        return None, torch.device(device)
+    except (TypeError, RuntimeError, AssertionError) as e:
+        return f"device {str(device)!r} cannot be used on this machine ({e}); pass a device such as 'cpu' or 'cuda:0'", \
+            default_device()
+
+
+def _check_dtype(dtype) -> str | None:
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return (f"dtype must be a floating-point torch.dtype for the hidden states and gradients, such as "
+                f"torch.float32 or torch.bfloat16, got {dtype!r}")
+    return None
+
+
 def _check_microbatches(inputs, targets) -> str | None:
     """Why `inputs`/`targets` are not matching lists of equally shaped microbatches, or None."""
     for name, value in (("inputs", inputs), ("targets", targets)):
@@ -79,6 +101,9 @@ def _check_microbatches(inputs, targets) -> str | None:
             return f"{name} must be a non-empty list of [microbatch, seq_len] token-ID tensors, got {type(value).__name__}"
         if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta for t in value):
             return f"every element of {name} must be a dense torch.Tensor of token IDs, holding its values"
+        shapes = [tuple(t.shape) for t in value if t.dim() != 2]
+        if shapes:
+            return f"every element of {name} must be shaped [microbatch, seq_len], got one shaped {shapes[0]}"
     if len(inputs) != len(targets):
         return f"got {len(inputs)} input microbatches but {len(targets)} target microbatches; give one target per input"
     for i, (x, y) in enumerate(zip(inputs, targets)):

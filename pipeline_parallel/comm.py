@@ -6,6 +6,13 @@ import torch
 import torch.distributed as dist
 
 
+def default_device() -> torch.device:
+    """This process's GPU if it has one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class PipeComm:
     """The pipeline's process group, this rank's `pp_rank` in it, and the transfers it makes.
 

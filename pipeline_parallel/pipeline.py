@@ -10,7 +10,7 @@ from torch import nn
 
 from ._checks import check_int
 from .batch import agree_on_batch, agree_on_settings, fingerprint
-from .comm import PipeComm
+from .comm import PipeComm, default_device
 from .models.decoder import (DecoderParts, check_layout, keep_local_part, materialize, model_settings, tied_weight_end,
                              weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
@@ -55,7 +55,7 @@ class Pipeline:
         split: int | None = None,
         seq_len: int = 2048,
     ):
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.comm = PipeComm(group, self.device)
         self.pp_rank, self.pp_size = self.comm.pp_rank, self.comm.pp_size
         self.stage_idx = self.pp_rank
@@ -239,12 +239,6 @@ class Pipeline:
 def _check_autocast_dtype(dtype) -> None:
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None (no autocast), got {dtype!r}")
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _parameter_dtypes(model: nn.Module) -> list[tuple[str, str]]:

@@ -237,11 +237,17 @@ WORLD4_CASES = {
 
 # the classic API -------------------------------------------------------------------------------------------------
 
-def _classic(inputs=None, targets=None, layers=4, api=pp.train_step_pipeline_1f1b, model=None):
+def _classic(inputs=None, targets=None, layers=4, api=pp.train_step_pipeline_1f1b, model=None, device="cpu",
+             dtype=torch.float32):
     x, y = _data()
     inputs = list(x.chunk(2)) if inputs is None else inputs
     targets = list(y.chunk(2)) if targets is None else targets
-    return api(model if model is not None else build("llama", layers), inputs, targets, "cpu", torch.float32)
+    return api(model if model is not None else build("llama", layers), inputs, targets, device, dtype)
+
+
+def _one_layer_less(model):
+    model.model.layers = model.model.layers[:-1]
+    return model
 
 
 XS, YS = list(X.chunk(2)), list(Y.chunk(2))
@@ -273,6 +279,19 @@ CLASSIC_CASES = {
                                        r"loss is undefined.*leave that microbatch out"),
     "classic-gpt2": (lambda r, w, g: _classic(model=_gpt2()), (TypeError, ValueError),
                      r"GPT2LMHeadModel is not a supported decoder-only causal LM"),
+    # Checks that fail on one rank alone: every rank raises, none waits for the others.
+    "classic-layers-differ-across-ranks": (lambda r, w, g: _classic(model=_one_layer_less(build("llama", 4))
+                                                                    if r == w - 1 else None),
+                                           ValueError, r"ranks disagree on 'num_layers'"),
+    "classic-gpt2-on-the-last-rank-only": (lambda r, w, g: _classic(model=_gpt2() if r == w - 1 else None),
+                                           (TypeError, ValueError), r"GPT2LMHeadModel is not a supported decoder-only"),
+    "classic-device-unusable-on-the-last-rank": (lambda r, w, g: _classic(device="cuda:99" if r == w - 1 else "cpu"),
+                                                 ValueError, r"device .*cuda:99.* cannot be used on this machine"),
+    "classic-zero-dim-microbatch": (lambda r, w, g: _classic([XS[0], torch.tensor(3)], [YS[0], torch.tensor(3)]),
+                                    ValueError, r"every element of inputs must be shaped \[microbatch, seq_len\], "
+                                    r"got one shaped \(\)"),
+    "classic-integer-dtype": (lambda r, w, g: _classic(dtype=torch.int64), ValueError,
+                              r"dtype must be a floating-point torch.dtype .* got torch.int64"),
 }
 
 CLASSIC_WORLD4_CASES = {
@@ -435,7 +454,7 @@ SINGLE = [
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",
     "classic-microbatch-shapes", "classic-not-a-list", "classic-bad-targets", "classic-microbatch-all-ignored",
-    "classic-gpt2",
+    "classic-gpt2", "classic-device-unusable-on-the-last-rank", "classic-zero-dim-microbatch", "classic-integer-dtype",
 ]
 
 
