@@ -388,7 +388,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
-    else:
+    elif rank == 0:  # one note for the run, not one per rank
         logger.warning("%s was saved on %d ranks, loading on %d: RNG states not restored",
                        path, meta["world_size"], world_size)
     return meta["extra"]

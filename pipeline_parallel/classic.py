@@ -22,7 +22,8 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> float | N
     the last the final norm and `lm_head`. `inputs` and `targets` are lists of [microbatch,
     seq_len] token IDs (targets already shifted, -100 ignored). Each microbatch's loss is its
     mean cross-entropy divided by the number of microbatches; gradients accumulate in the
-    model's parameters. Returns the summed loss on the last rank and None on the others.
+    model's parameters, whose modules this rank runs are moved and cast to `device` and `dtype`
+    in place. Returns the summed loss on the last rank and None on the others.
     """
     return _train_step(model, inputs, targets, device, dtype, "gpipe")
 

@@ -31,6 +31,8 @@ class Pipeline:
     `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
     of -100 ignored), so gradients equal those of one process on the full batch. The first
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
+    `num_microbatches` defaults to twice the number of stages. The kept layers stay under their
+    original indices (`model.model.layers` becomes a ModuleDict keyed "0", "1", ...).
     `split` is how many of each rank's last backwards send their input gradient before making
     their weight gradients (see `schedules.split_backwards`); by default the simulator chooses
     which backwards to split with the estimated stage costs (see `schedules.choose_split`).

@@ -117,8 +117,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return _from_tokenizers(RawTokenizer.from_file(str(path)), path)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):  # transformers 5 would give an empty one
         raise ValueError(
-            f"directory {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); give data.tokenizer "
-            "a tokenizer.json or tokenizer directory (a model saved without its tokenizer needs one)")
+            f"directory {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); a model saved "
+            "without its tokenizer needs one: copy the tokenizer's files into it, or in training give data.tokenizer")
     try:
         from transformers import AutoTokenizer
 

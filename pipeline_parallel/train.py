@@ -261,8 +261,8 @@ class Trainer:
             then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
             raise TrainingDiverged(
                 f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; the weights were not updated and "
-                f"nothing was saved: {then} with a lower optim.lr, more optim.warmup_steps, a lower "
-                "optim.grad_clip or train.dtype = fp32")
+                f"nothing was saved: {then} with a lower optim.lr, more optim.warmup_steps, "
+                f"{'a lower optim.grad_clip' if cfg.optim.grad_clip else 'optim.grad_clip = 1.0'} or train.dtype = fp32")
         self.optimizer.step()
         self.pipe.zero_grad()
         self.step += 1

@@ -188,7 +188,7 @@ def test_transformers_tokenizer_directory(tmp_path):
         load_tokenizer(tmp_path / "missing")
     (tmp_path / "model").mkdir()  # a model saved without its tokenizer: transformers 5 loads an empty one
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
-    with pytest.raises(ValueError, match="holds no tokenizer .*give data.tokenizer"):
+    with pytest.raises(ValueError, match="holds no tokenizer .*copy the tokenizer.s files into it, or in training give data.tokenizer"):
         load_tokenizer(tmp_path / "model")
 
 
