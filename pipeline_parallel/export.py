@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
+from .models.decoder import hf_float32
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 EXPORT_DIR = "export"  # in the run directory
@@ -123,7 +124,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     config = dict(read_extra(checkpoint)["model_config"])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
     model.to_empty(device="cpu")
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # buffers no checkpoint holds
     model.tie_weights()

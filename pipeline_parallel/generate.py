@@ -14,6 +14,7 @@ from torch import nn
 from .checkpoint import is_checkpoint
 from .export import load_full_model
 from .models import generate
+from .models.decoder import hf_float32
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -23,7 +24,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     if (path / "config.json").is_file() and not is_checkpoint(path):
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **hf_float32(), local_files_only=True)
         return model.eval(), load_tokenizer(path)
     return load_full_model(path)
 

@@ -22,7 +22,7 @@ from .export import (EXPORT_DIR, TOKENIZER_DIR, check_hf_weights, check_replacea
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
-from .models.decoder import check_layout
+from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 
@@ -77,7 +77,7 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading

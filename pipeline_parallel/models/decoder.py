@@ -93,6 +93,15 @@ _RUN_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architec
                               "use_cache", "return_dict", "output_attentions", "output_hidden_states", "_commit_hash"})
 
 
+def hf_float32() -> dict[str, torch.dtype]:
+    """The keyword argument that makes transformers build or load a model in float32: `dtype` from
+    4.56 on, `torch_dtype` before (4.55 hands an unknown `dtype` on to the model's __init__)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+
+
 def model_settings(config) -> dict[str, object]:
     """Every setting of the model's config: each rank's must be the same (a different rope_theta on
     one rank trains a model that exists nowhere). Dtypes are agreed per parameter instead."""
