@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .batch import agree_on_batch, fingerprint
-from .comm import PipeComm, default_device
+from .comm import PipeComm, usable_device
 from .models.decoder import DecoderParts, check_layout, model_settings, tied_weight_end
 from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
@@ -34,17 +34,18 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype) -> float | N
 
 
 def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str) -> float | None:
-    error, device = _check_device(device)
+    device, error = usable_device(device)
     comm = PipeComm(None, device)
     stage_idx, num_stages = comm.pp_rank, comm.pp_size
     first, last = stage_idx == 0, stage_idx == num_stages - 1
 
     # Every local check feeds the shared agreement below, so a rank that fails alone fails them all.
     input_ids = labels = None
-    num_layers, model_config = 0, {}
+    num_layers, vocab_size, model_config = 0, 0, {}
     try:
         check_layout(model)
-        num_layers, model_config = len(model.model.layers), model_settings(model.config)
+        num_layers, vocab_size = len(model.model.layers), model.config.vocab_size
+        model_config = model_settings(model.config)
         error = error or _check_dtype(dtype) or _check_microbatches(inputs, targets)
         if error is None:
             input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
@@ -54,9 +55,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
                            num_layers=num_layers, model_config=model_config)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
-                          vocab_size=getattr(getattr(model, "config", None), "vocab_size", 0),
-                          num_microbatches=max(num_microbatches, 1),
-                          settings=settings, local_error=error, details={"model_config": model_config})
+                          vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
+                          local_error=error, details={"model_config": model_config})
     layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
@@ -76,16 +76,6 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
                              stage_costs=costs)[stage_idx]
     loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
     return loss if last else None
-
-
-def _check_device(device) -> tuple[str | None, torch.device]:
-    """Why `device` cannot hold tensors here, or None; and the device to agree on with the other ranks."""
-    try:
-        torch.empty(0, device=torch.device(device))
-        return None, torch.device(device)
-    except (TypeError, RuntimeError, AssertionError) as e:
-        return f"device {str(device)!r} cannot be used on this machine ({e}); pass a device such as 'cpu' or 'cuda:0'", \
-            default_device()
 
 
 def _check_dtype(dtype) -> str | None:

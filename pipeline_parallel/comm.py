@@ -13,6 +13,17 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def usable_device(device) -> tuple[torch.device, str | None]:
+    """`device` and None if this process can hold tensors there; otherwise `default_device()`, for the
+    ranks to agree on, and why `device` cannot be used (each rank reports it before any transfer)."""
+    try:
+        torch.empty(0, device=torch.device(device))
+        return torch.device(device), None
+    except (TypeError, RuntimeError, AssertionError) as e:
+        return default_device(), (f"device {str(device)!r} cannot be used on this machine ({e}); pass a device "
+                                  "such as 'cpu' or 'cuda:0'")
+
+
 class PipeComm:
     """The pipeline's process group, this rank's `pp_rank` in it, and the transfers it makes.
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from ._checks import check_int
 from .batch import agree_on_batch, agree_on_settings, fingerprint
-from .comm import PipeComm, default_device
+from .comm import PipeComm, default_device, usable_device
 from .models.decoder import (DecoderParts, check_layout, keep_local_part, materialize, model_settings, tied_weight_end,
                              weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
@@ -57,7 +57,7 @@ class Pipeline:
         split: int | None = None,
         seq_len: int = 2048,
     ):
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device, device_error = usable_device(device if device is not None else default_device())
         self.comm = PipeComm(group, self.device)
         self.pp_rank, self.pp_size = self.comm.pp_rank, self.comm.pp_size
         self.stage_idx = self.pp_rank
@@ -73,6 +73,8 @@ class Pipeline:
         self._programs: dict[int, list] = {}  # training program per sequence length
         on_meta = dtypes = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
+            if device_error:
+                raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None

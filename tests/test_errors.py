@@ -34,7 +34,8 @@ def _gpt2():
 
 def _pipe(group, layers=4, **kwargs):
     kwargs.setdefault("num_microbatches", 2)
-    return pp.Pipeline(build("llama", layers), device="cpu", group=group, **kwargs)
+    kwargs.setdefault("device", "cpu")
+    return pp.Pipeline(build("llama", layers), group=group, **kwargs)
 
 
 def _data(batch=4, seq=6, seed=0):
@@ -162,6 +163,8 @@ PIPELINE_CASES = {
                                                                group=g, num_microbatches=2), ValueError,
                                   r"ranks disagree on 'parameter_dtypes'"),
     "mismatch-seed": (lambda r, w, g: _pipe(g, seed=r), ValueError, r"ranks disagree on 'seed'"),
+    "device-unusable-on-the-last-rank": (lambda r, w, g: _pipe(g, device="cuda:99" if r == w - 1 else "cpu"),
+                                         ValueError, r"device 'cuda:99' cannot be used on this machine"),
     "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.evaluate if r else p.step)(X, Y))(_pipe(g)),
                                           ValueError, r"ranks disagree on 'mode': every rank must call step\(\) "
                                           r"together, or evaluate\(\) together"),
