@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .comm import PipeComm
-from .stage import IGNORE_INDEX
+from .loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ from torch import nn
 
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
+from .loss import IGNORE_INDEX
 from .models.decoder import DecoderParts, check_layout, model_settings, tied_weight_end
 from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
-from .stage import IGNORE_INDEX, PipelineStage
+from .stage import PipelineStage
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> float | None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
+from .loss import loss_sum
 from .models.decoder import DecoderParts
 
-IGNORE_INDEX = -100
 # The autograd node of torch.utils.checkpoint(..., use_reentrant=True), which only a plain backward can run.
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
@@ -85,12 +84,6 @@ class PipelineStage:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(x.device.type, dtype=self.autocast_dtype)
-
-
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy (logits in at least fp32, -100 ignored); callers scale it to the mean they want."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class _WeightPass:
