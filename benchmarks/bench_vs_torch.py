@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline_parallel as pp
+from pipeline_parallel.loss import loss_sum
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
 from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
@@ -70,6 +71,11 @@ def _torch_loss(logits, labels):
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
+def _our_loss(logits, labels):
+    """Our engine's loss as torch's loss_fn (the same mean: the benchmark ignores no token)."""
+    return loss_sum(logits, labels) / labels.numel()
+
+
 def worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -93,16 +99,21 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                            layer_counts=counts, device="cpu")
         engines[f"ours {name}"] = (lambda pipe=pipe: (pipe.step(x, y), pipe.zero_grad()))
         pipes[name] = pipe
+    # With --torch-with-our-loss, torch's schedules also run with our loss function, which tells the
+    # share of our time that is the loss from the share that is the schedule and runtime.
+    losses = {"": _torch_loss, " +our loss": _our_loss} if args.torch_with_our_loss else {"": _torch_loss}
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         if name not in args.schedules:
             continue
-        model = copy.deepcopy(base)
-        indices = layer_ranges(counts)[rank]
-        keep_local_part(model, indices, first, last)
-        module = _TorchStage(model, DecoderParts.of(model, indices, first, last))
-        stage = PipelineStage(module, rank, world, torch.device("cpu"))
-        schedule = cls(stage, args.microbatches, loss_fn=_torch_loss)
-        engines[f"torch {name}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last), m.zero_grad()))
+        for suffix, loss_fn in losses.items():
+            model = copy.deepcopy(base)
+            indices = layer_ranges(counts)[rank]
+            keep_local_part(model, indices, first, last)
+            module = _TorchStage(model, DecoderParts.of(model, indices, first, last))
+            stage = PipelineStage(module, rank, world, torch.device("cpu"))
+            schedule = cls(stage, args.microbatches, loss_fn=loss_fn)
+            engines[f"torch {name}{suffix}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last),
+                                                                               m.zero_grad()))
 
     # Rounds over all engines, each running a short block of consecutive steps, as in training.
     # Ratios are taken within a round, between blocks a few seconds apart, so the drift of a busy
@@ -215,6 +226,8 @@ def main() -> None:
                         help="comma-separated, of gpipe and 1f1b")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
+    parser.add_argument("--torch-with-our-loss", action="store_true",
+                        help="also run torch's schedules with our loss function as their loss_fn")
     args = parser.parse_args()
     if not args.schedules or set(args.schedules) - {"gpipe", "1f1b"}:
         parser.error(f"--schedules takes gpipe, 1f1b or both (comma-separated), not {','.join(args.schedules)}")
@@ -259,7 +272,8 @@ def main() -> None:
               f"split backwards per rank {split} of {m}")
     print("ratios: median over rounds [95% confidence interval of that median]; 'best': each engine's fastest "
           "step against the others'")
-    print(f"{'engine':<12} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
+    width = max(map(len, per_round))
+    print(f"{'engine':<{width}} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
           f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}  page faults/step by rank")
 
     def ratio(a, b):
@@ -270,7 +284,7 @@ def main() -> None:
     for name, t in per_round.items():
         schedule = name.split()[1]
         vs_floor = ratio(t, floors[schedule]) if name.startswith("ours") else "-"
-        print(f"{name:<12} {med(t) * 1e3:8.1f}  {ratio(t, per_round['torch ' + schedule]):<21} "
+        print(f"{name:<{width}} {med(t) * 1e3:8.1f}  {ratio(t, per_round['torch ' + schedule]):<21} "
               f"{ratio(t, ideal):<21} {ratio(t, busy_ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
               f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}  {faults[name]}")
     print(f"single-process page faults/step by rank: {faults['single']} (one thread), {faults['single busy']} (all)")
