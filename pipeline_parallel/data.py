@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 import numpy as np
 import torch
 
+from .loss import IGNORE_INDEX
 from .tokenizer import Tokenizer, cached_tokens, get_tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
@@ -327,7 +328,7 @@ def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = T
 
     The last batch may hold fewer sequences; it is padded up to a multiple of `pad_to` rows
     (a schedule splits a batch into that many equal microbatches) that repeat its last
-    sequence with every label -100, so the padding adds nothing to the token-mean loss.
+    sequence with every label IGNORE_INDEX (-100), so the padding adds nothing to the token-mean loss.
     """
     for start in range(0, len(sequences), batch_size):
         rows = np.arange(start, min(start + batch_size, len(sequences)))
@@ -335,7 +336,7 @@ def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = T
         batch = sequences[padded] if (need_inputs or need_labels) else None
         inputs, labels = _make_batch(batch, need_inputs, need_labels)
         if labels is not None:
-            labels[len(rows):] = -100  # the padding rows, if any
+            labels[len(rows):] = IGNORE_INDEX  # the padding rows, if any
         yield inputs, labels, len(rows)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from ._checks import check_int
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
+from .loss import IGNORE_INDEX
 from .models.decoder import (DecoderParts, check_layout, keep_local_part, materialize, model_settings, tied_weight_end,
                              weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
@@ -157,7 +158,7 @@ class Pipeline:
             local_error=self._changed(),
         )
         if info.num_target_tokens == 0:
-            raise ValueError("every label of the batch is -100 (ignored): there is nothing to train on")
+            raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to train on")
         m = self.num_microbatches
         step = StepData(
             activation_shape=(info.batch_size // m, info.seq_len, self.config.hidden_size),
