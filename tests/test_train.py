@@ -288,6 +288,20 @@ def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(r
     assert {name: (whole / name).read_bytes() for name in kept} == kept
 
 
+def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, tmp_path):
+    """The BPE trained in a run_dir is reused there, so asking for another vocabulary must be an error."""
+    own = {"data.tokenizer": "", "data.vocab_size": 300, "train.max_steps": 1, "pipeline.num_microbatches": 1}
+    run(make_cfg(tmp_path, corpus, **own))
+    assert load_config(tmp_path / "config.toml").data.vocab_size == 300
+    config = (tmp_path / "config.toml").read_bytes()
+    for key, value in (("data.vocab_size", 400), ("data.tokenizer_train_chars", 1000)):
+        with pytest.raises(ConfigError, match=rf"{key} = {value}, but .* holds the tokenizer trained with {key} = "
+                                              rf".*set {key} = .*or give a new run_dir"):
+            Trainer(make_cfg(tmp_path, corpus, **{**own, key: value}))
+    assert (tmp_path / "config.toml").read_bytes() == config
+    Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))  # the same tokenizer settings resume
+
+
 def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
