@@ -32,6 +32,13 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+def _vocab_beyond_embedding():
+    """A Hugging Face Llama whose config claims more tokens than its embedding and head hold."""
+    model = build("llama", 4)
+    model.config.vocab_size += 8
+    return model
+
+
 def _pipe(group, layers=4, **kwargs):
     kwargs.setdefault("num_microbatches", 2)
     kwargs.setdefault("device", "cpu")
@@ -123,6 +130,9 @@ PIPELINE_CASES = {
                       r"Linear is not a supported decoder-only causal LM.*LlamaForCausalLM"),
     "layout-gpt2": (lambda r, w, g: pp.Pipeline(_gpt2(), device="cpu", group=g), (TypeError, ValueError),
                     r"GPT2LMHeadModel is not a supported decoder-only causal LM: missing .*model\.embed_tokens"),
+    "vocab-beyond-embedding": (lambda r, w, g: pp.Pipeline(_vocab_beyond_embedding(), device="cpu", group=g),
+                               ValueError, r"config.vocab_size is \d+ but model.embed_tokens has \d+ rows, so token "
+                               r"IDs .* set config.vocab_size = \d+ or resize the embeddings"),
     "layer-counts-sum": (lambda r, w, g: _pipe(g, layer_counts=[3, 3]), ValueError,
                          r"layer_counts \[3, 3\] sum to 6 but the model has 4 decoder layers"),
     "layer-counts-length": (lambda r, w, g: _pipe(g, layer_counts=[4]), ValueError,
@@ -280,6 +290,8 @@ CLASSIC_CASES = {
     "classic-microbatch-all-ignored": (lambda r, w, g: _classic(XS, [YS[0], torch.full_like(YS[1], -100)]),
                                        ValueError, r"microbatch 1: every target is -100 \(ignored\), so its mean "
                                        r"loss is undefined.*leave that microbatch out"),
+    "classic-vocab-beyond-embedding": (lambda r, w, g: _classic(model=_vocab_beyond_embedding()), ValueError,
+                                       r"config.vocab_size is \d+ but model.embed_tokens has \d+ rows"),
     "classic-gpt2": (lambda r, w, g: _classic(model=_gpt2()), (TypeError, ValueError),
                      r"GPT2LMHeadModel is not a supported decoder-only causal LM"),
     # Checks that fail on one rank alone: every rank raises, none waits for the others.
@@ -452,6 +464,7 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
 # one process, no process group ------------------------------------------------------------------------------------
 
 SINGLE = [
+    "vocab-beyond-embedding", "classic-vocab-beyond-embedding",
     "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "layout-linear", "layout-gpt2",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",

@@ -158,6 +158,7 @@ def check_layout(model: nn.Module) -> None:
             f"this {type(model).__name__} holds one pipeline stage only (a Pipeline already split it); "
             "pass the whole model, built anew or loaded from a checkpoint"
         )
+    _check_vocab_rows(model)
     if not _is_hf_config(model.config):
         return
     model_type = str(getattr(model.config, "model_type", ""))
@@ -219,6 +220,21 @@ def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, slidin
     if "cache_position" in params:  # transformers < 5
         kwargs["cache_position"] = position_ids[0]
     return create(**kwargs)
+
+
+def _check_vocab_rows(model: nn.Module) -> None:
+    """Token IDs are checked against config.vocab_size, so the embedding and the head must hold that many rows."""
+    vocab_size = model.config.vocab_size
+    rows = {"model.embed_tokens": getattr(model.model.embed_tokens, "num_embeddings", vocab_size),
+            "lm_head": getattr(model.lm_head, "out_features", vocab_size)}
+    short = {name: count for name, count in rows.items() if count < vocab_size}
+    if short:
+        name, count = next(iter(short.items()))
+        raise ValueError(
+            f"config.vocab_size is {vocab_size} but {name} has {count} rows, so token IDs {count}..{vocab_size - 1} "
+            f"pass the input checks and then fail inside the model; set config.vocab_size = {min(rows.values())} "
+            "or resize the embeddings (model.resize_token_embeddings)"
+        )
 
 
 def _is_hf_config(config) -> bool:
