@@ -1,4 +1,4 @@
-"""loss_sum: value and gradient equal F.cross_entropy's, in every dtype, with ignored rows and extreme logits. No processes."""
+"""loss_sum: value and gradient equal F.cross_entropy's in every dtype, with ignored rows and extreme logits."""
 
 import pytest
 import torch

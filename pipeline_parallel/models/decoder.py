@@ -227,13 +227,12 @@ def _check_vocab_rows(model: nn.Module) -> None:
     vocab_size = model.config.vocab_size
     rows = {"model.embed_tokens": getattr(model.model.embed_tokens, "num_embeddings", vocab_size),
             "lm_head": getattr(model.lm_head, "out_features", vocab_size)}
-    short = {name: count for name, count in rows.items() if count < vocab_size}
-    if short:
-        name, count = next(iter(short.items()))
+    name = min(rows, key=rows.get)  # the first of the two on a tie
+    if rows[name] < vocab_size:
         raise ValueError(
-            f"config.vocab_size is {vocab_size} but {name} has {count} rows, so token IDs {count}..{vocab_size - 1} "
-            f"pass the input checks and then fail inside the model; set config.vocab_size = {min(rows.values())} "
-            "or resize the embeddings (model.resize_token_embeddings)"
+            f"config.vocab_size is {vocab_size} but {name} has {rows[name]} rows, so token IDs "
+            f"{rows[name]}..{vocab_size - 1} pass the input checks and then fail inside the model; set "
+            f"config.vocab_size = {rows[name]} or resize the embeddings (model.resize_token_embeddings)"
         )
 
 
