@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
+from .comm import device_backends
+
 __all__ = ["SafeFileSystemReader", "UnsafeCheckpointError", "latest_checkpoint",
            "load_checkpoint", "save_checkpoint"]
 
@@ -126,8 +128,8 @@ def _all_ok(ok: bool, group: Any) -> bool:
     """Barrier that also tells every rank whether every rank succeeded."""
     if not _distributed():
         return ok
-    on_gpu = dist.get_backend(group) == "nccl"
-    flag = torch.tensor([int(ok)], device=torch.cuda.current_device() if on_gpu else "cpu")
+    on_cpu = "cpu" in device_backends(group)
+    flag = torch.tensor([int(ok)], device="cpu" if on_cpu else torch.cuda.current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 

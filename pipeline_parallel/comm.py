@@ -24,6 +24,15 @@ def usable_device(device) -> tuple[torch.device, str | None]:
                                   "such as 'cpu' or 'cuda:0'")
 
 
+def device_backends(group) -> dict[str, str]:
+    """The backend that carries each device type's tensors in `group`, such as {"cpu": "gloo", "cuda": "nccl"}.
+
+    `dist.get_backend` names a group as it was asked for: "undefined" for `init_process_group()`
+    without a backend, though gloo carries its CPU tensors, or "cpu:gloo,cuda:nccl" as a whole.
+    """
+    return dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(","))
+
+
 class PipeComm:
     """The pipeline's process group, this rank's `pp_rank` in it, and the transfers it makes.
 
@@ -46,7 +55,7 @@ class PipeComm:
         # Posting a receive early overlaps the transfer with compute on gloo, whose transfers are
         # independent. NCCL runs a pair's transfers in order on one stream and a batch completes
         # as a whole, so an early receive can block the sends queued behind it: post just in time.
-        self.prefetch_receives = dist.get_backend(self.group) == "gloo"
+        self.prefetch_receives = device_backends(self.group).get(self.device.type) == "gloo"
 
     def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Start sends and receives [("send" | "recv", tensor, peer pp_rank)] together; returns Work handles.

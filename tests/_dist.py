@@ -30,12 +30,12 @@ def _free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
-           results: Any, args: tuple) -> None:
+           results: Any, args: tuple, backend: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # report first: the other ranks may be stuck waiting on us
@@ -52,9 +52,11 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 60) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 60,
+                    backend: str | None = "gloo") -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks.
 
+    `backend=None` initialises the process group without naming a backend, as many scripts do.
     Returns the per-rank return values (which must be picklable), in rank order.
     The first rank to fail has its exception re-raised here, chained to its traceback
     text; ranks still running after `timeout` seconds are killed and TimeoutError raised.
@@ -62,7 +64,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, results, args),
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, timeout, results, args, backend),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

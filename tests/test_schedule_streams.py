@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import run_distributed
 from _models import build, make_batch, reference_step
 
@@ -46,3 +47,14 @@ def _just_in_time_step(rank: int, world_size: int, schedule: str) -> dict:
 def test_just_in_time_program_gives_exact_gradients(schedule):
     for per_rank in run_distributed(_just_in_time_step, 2, schedule, timeout=120):
         assert per_rank and all(per_rank.values()), per_rank
+
+
+def _prefetches(rank: int, world_size: int) -> tuple[bool, str]:
+    return pp.Pipeline(build("llama", 4), num_microbatches=2, device="cpu").comm.prefetch_receives, dist.get_backend()
+
+
+@pytest.mark.parametrize("backend", [None, "gloo", "cpu:gloo"])
+def test_receives_are_prefetched_whenever_gloo_carries_the_transfers(backend):
+    """Also when the group was made without naming a backend, which torch reports as "undefined"."""
+    for prefetches, reported in run_distributed(_prefetches, 2, backend=backend):
+        assert prefetches, reported
