@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 import torch
@@ -222,6 +223,11 @@ class Pipeline:
         The norm is taken over the whole model, as one process would: each rank reduces its
         own gradients, the ranks combine the results, and the tied LM head is counted once.
         """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
+            raise ValueError(f"max_norm must be a number > 0 (inf: measure the norm, clip nothing), got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 (2.0: the usual Euclidean norm; inf: the largest "
+                             f"entry), got {norm_type!r}")
         norm_type = float(norm_type)
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         local = (

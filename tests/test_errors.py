@@ -222,6 +222,10 @@ PIPELINE_CASES = {
                               r"a batch of 4 sequences does not split into 3"),
     "evaluate-bad-ids": (lambda r, w, g: _step_with(g, x=_set(X, (0, 0), 1000), evaluate=True), ValueError,
                          r"input_ids holds token IDs .* to 1000"),
+    "clip-norm-type-zero": (lambda r, w, g: _pipe(g).clip_grad_norm_(1.0, norm_type=0), ValueError,
+                            r"norm_type must be a number > 0 .*got 0"),
+    "clip-max-norm-negative": (lambda r, w, g: _pipe(g).clip_grad_norm_(-1.0), ValueError,
+                               r"max_norm must be a number > 0 .*got -1.0"),
     # only one rank holds bad data: the others (which never look at it) must still raise
     "bad-ids-on-first-rank-only": (lambda r, w, g: _step_with(g, x=_set(X, (0, 0), 999) if r == 0 else X),
                                    ValueError, r"pipeline rank 0: input_ids holds token IDs .* to 999"),
