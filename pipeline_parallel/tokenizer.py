@@ -15,6 +15,7 @@ EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens we recognise in a bare tokenizer.json, most usual first.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 TOKENIZER_FILE = "tokenizer.json"
+TRAINED_WITH_FILE = "tokenizer-trained-with.json"  # beside a tokenizer trained in run_dir: the settings it took
 CACHE_VERSION = 1  # bump when the token file layout changes
 
 
@@ -178,25 +179,30 @@ def get_tokenizer(
     path: str | Path | None,
     texts: Iterable[str],
     vocab_size: int = 4096,
-    max_chars: int | None = 20_000_000,
+    tokenizer_train_chars: int | None = 20_000_000,
 ) -> Tokenizer:
     """The user's tokenizer if `path` is given, else run_dir/tokenizer.json (trained once).
 
-    Reloading the saved file means a resumed run always uses the very same tokenizer
-    (so vocab_size no longer matters once the file exists).
+    Reloading the saved file means a resumed run always uses the very same tokenizer. Asking for
+    another `vocab_size` or `tokenizer_train_chars` than it was trained with is an error, not ignored.
     """
     if path is not None:
         return load_tokenizer(path)
-    saved = Path(run_dir) / TOKENIZER_FILE
+    saved, record = Path(run_dir) / TOKENIZER_FILE, Path(run_dir) / TRAINED_WITH_FILE
+    asked = {"vocab_size": vocab_size, "tokenizer_train_chars": tokenizer_train_chars}
     if saved.is_file():
+        trained = json.loads(record.read_text()) if record.is_file() else asked  # older runs kept no record
+        changed = [key for key in asked if trained.get(key) != asked[key]]
+        if changed:
+            raise ValueError(
+                f"{saved} was trained with {', '.join(f'{k} = {trained.get(k)}' for k in changed)}, and a run "
+                f"there reuses it, but {', '.join(f'{k} = {asked[k]}' for k in changed)} is asked for: ask for "
+                f"what it was trained with, or use a new run directory for a new tokenizer")
         return load_tokenizer(saved)
-    tok = train_bpe(texts, vocab_size, max_chars)
+    tok = train_bpe(texts, vocab_size, tokenizer_train_chars)
+    _atomic_write(record, json.dumps(asked) + "\n")  # first: a tokenizer.json never lacks its record
     _atomic_write(saved, tok.backend.to_str())  # one self-contained file (its eos is found by name)
     return tok
-
-
-# ---------------------------------------------------------------------------------------------
-# The token stream of a run, cached
 
 
 def _batched(pieces: Iterable[tuple[str, bool]], max_chars: int = 1 << 22) -> Iterator[list]:

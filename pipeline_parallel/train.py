@@ -15,8 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
-from .config import (Config, ConfigError, as_config_error, llama_config, load_config, parse_args, settings, to_toml,
-                     validate)
+from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, TOKENIZER_DIR, check_hf_weights, check_replaceable, export, hf_config_dict,
                      load_hf_weights)
@@ -26,7 +25,6 @@ from .models import LlamaForCausalLM, num_parameters
 from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
-from .tokenizer import TOKENIZER_FILE
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
 # Model fields a checkpoint must agree on to be resumed.
@@ -84,30 +82,6 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading
-
-
-def _check_tokenizer_settings(cfg: Config, run_dir: Path) -> None:
-    """Refuse settings that ask for another tokenizer than the one trained in run_dir, which would be reused.
-
-    The BPE is trained once per run_dir (resumes need the same one), so a changed data.vocab_size
-    or data.tokenizer_train_chars would otherwise be ignored without a word.
-    """
-    trained, saved_config = run_dir / TOKENIZER_FILE, run_dir / CONFIG_FILE
-    if cfg.data.tokenizer or cfg.hf_model or not trained.is_file() or not saved_config.is_file():
-        return
-    try:
-        saved = load_config(saved_config)
-    except ConfigError:
-        return  # written by another version: nothing to compare with
-    if saved.data.tokenizer or saved.hf_model:
-        return  # that run did not train this tokenizer
-    for key in ("vocab_size", "tokenizer_train_chars"):
-        was, now = getattr(saved.data, key), getattr(cfg.data, key)
-        if was != now:
-            raise ConfigError(
-                f"data.{key} = {now}, but {run_dir} holds the tokenizer trained with data.{key} = {was} "
-                f"({trained}), which a run there reuses: set data.{key} = {was}, or give a new run_dir for a new "
-                f"tokenizer")
 
 
 def _describe(error: Exception | None) -> tuple[bool, str] | None:
@@ -172,7 +146,6 @@ class Trainer:
                 check_layout(model := build_model(cfg, vocab_size=0))
                 check_hf_weights(model, cfg.hf_model)
 
-        _check_tokenizer_settings(cfg, self.run_dir)
         tokenizer = cfg.data.tokenizer or cfg.hf_model or None
         self.data = self._rank0_first(lambda: prepare_data(
             self.run_dir, cfg.data.path or None, seq_len=cfg.data.seq_len, tokenizer=tokenizer,

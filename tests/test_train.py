@@ -289,16 +289,19 @@ def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(r
 
 
 def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, tmp_path):
-    """The BPE trained in a run_dir is reused there, so asking for another vocabulary must be an error."""
+    """The BPE trained in a run_dir is reused there, so asking for another vocabulary must be an error,
+    also when the start that trained it failed before its settings were saved as config.toml."""
     own = {"data.tokenizer": "", "data.vocab_size": 300, "train.max_steps": 1, "pipeline.num_microbatches": 1}
-    run(make_cfg(tmp_path, corpus, **own))
-    assert load_config(tmp_path / "config.toml").data.vocab_size == 300
-    config = (tmp_path / "config.toml").read_bytes()
-    for key, value in (("data.vocab_size", 400), ("data.tokenizer_train_chars", 1000)):
-        with pytest.raises(ConfigError, match=rf"{key} = {value}, but .* holds the tokenizer trained with {key} = "
-                                              rf".*set {key} = .*or give a new run_dir"):
-            Trainer(make_cfg(tmp_path, corpus, **{**own, key: value}))
-    assert (tmp_path / "config.toml").read_bytes() == config
+    with pytest.raises(ConfigError, match="train.batch_size"):  # fails after the tokenizer was trained
+        Trainer(make_cfg(tmp_path, corpus, **{**own, "train.batch_size": 10_000}))
+    assert (tmp_path / "tokenizer.json").is_file() and not (tmp_path / "config.toml").exists()
+    for started in (False, True):
+        if started:
+            run(make_cfg(tmp_path, corpus, **own))
+        for key, value in (("vocab_size", 400), ("tokenizer_train_chars", 1000)):
+            with pytest.raises(ConfigError, match=rf"data: .*tokenizer.json was trained with {key} = .*, and a run "
+                                                  rf"there reuses it, but {key} = {value} is asked for: .*new run"):
+                Trainer(make_cfg(tmp_path, corpus, **{**own, f"data.{key}": value}))
     Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))  # the same tokenizer settings resume
 
 
