@@ -106,8 +106,6 @@ _TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.model", "vocab.json", "vocab.txt"
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a `tokenizer.json` file, or a directory `AutoTokenizer` can load offline."""
-    from tokenizers import Tokenizer as RawTokenizer
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
@@ -115,7 +113,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "tokenizer directory (hub names cannot be downloaded here), or omit it to train one"
         )
     if path.is_file():
-        return _from_tokenizers(RawTokenizer.from_file(str(path)), path)
+        return _from_tokenizers(_read_tokenizer_json(path), path)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):  # transformers 5 would give an empty one
         raise ValueError(
             f"directory {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); a model saved "
@@ -126,7 +124,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         if (path / TOKENIZER_FILE).is_file():  # a bare tokenizer.json with no config
-            return _from_tokenizers(RawTokenizer.from_file(str(path / TOKENIZER_FILE)), path)
+            return _from_tokenizers(_read_tokenizer_json(path / TOKENIZER_FILE), path)
         raise ValueError(f"could not load a tokenizer from directory {path}: {e}") from e
     backend = getattr(hf, "backend_tokenizer", None)
     eos_id = hf.eos_token_id
@@ -135,6 +133,19 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if eos_id is None:
         raise ValueError(f"tokenizer {path} has no eos_token; set one in its tokenizer_config.json")
     return Tokenizer(backend, eos_id, hf=hf)
+
+
+def _read_tokenizer_json(path: Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json file, or a ValueError that says what the file is not."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    try:
+        return RawTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(
+            f"tokenizer file {path} is not a tokenizer.json that the tokenizers library reads ({e}); give a "
+            "tokenizer.json, or the directory of a Hugging Face tokenizer (tokenizer_config.json with "
+            "tokenizer.model, vocab.json, ...)") from e
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, max_chars: int | None = 20_000_000) -> Tokenizer:

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import socket
 import sys
 import types
@@ -176,6 +177,21 @@ def test_trained_tokenizer_reloads_identically(tmp_path):
     assert again.fingerprint() == tok.fingerprint()
 
 
+def test_a_file_that_is_no_tokenizer_json_is_a_clear_error(tmp_path):
+    """Such as a tokenizer_config.json, a SentencePiece model or a cut-off tokenizer.json given as data.tokenizer."""
+    good = train_bpe(make_docs(), vocab_size=300).backend.to_str()
+    files = {"tokenizer_config.json": '{"eos_token": "</s>"}', "tokenizer.model": b"\x0a\x0b\xff\xfe",
+             "cut/tokenizer.json": good[: len(good) // 2]}
+    for name, content in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ValueError, match=rf"tokenizer file {re.escape(str(path))} is not a tokenizer.json"):
+            load_tokenizer(path)
+    with pytest.raises(ValueError, match="is not a tokenizer.json"):  # a directory holding only a cut-off one
+        load_tokenizer(tmp_path / "cut")
+
+
 def test_transformers_tokenizer_directory(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
@@ -218,7 +234,7 @@ def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
     second = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
     assert second.num_tokens == first.num_tokens and torch.equal(second.train[np.arange(3)], first.train[np.arange(3)])
     monkeypatch.undo()
-    capped = D.prepare_data(tmp_path / "run", src, seq_len=8, max_tokens=100)
+    capped = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300, max_tokens=100)
     assert capped.num_tokens == 100
 
 
