@@ -109,7 +109,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def run_tokenizer(run_dir: str | Path) -> Tokenizer:
     """The tokenizer a run trained with: the user's copy in run_dir/tokenizer, else the trained one."""
     run_dir = Path(run_dir)
+    if not (run_dir / TOKENIZER_DIR).is_dir() and not (run_dir / TOKENIZER_FILE).is_file():
+        raise FileNotFoundError(
+            f"{run_dir.resolve()} holds no tokenizer ({TOKENIZER_DIR}/ or {TOKENIZER_FILE}); a checkpoint is "
+            f"read with the tokenizer of its run directory, so give it where it lies there "
+            f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
     return load_tokenizer(run_dir / TOKENIZER_DIR if (run_dir / TOKENIZER_DIR).is_dir() else run_dir / TOKENIZER_FILE)
+
+
+def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
+    """Make `run_tokenizer(run_dir)` this run's: a copy of the `given` tokenizer, or (None) the one trained there.
+
+    A copy an earlier start kept is replaced, not left to be exported in place of this run's
+    tokenizer, and not merged with: a tokenizer's files differ from one kind to another.
+    """
+    copy = Path(run_dir) / TOKENIZER_DIR
+    fresh = copy.with_name(f".{copy.name}.{secrets.token_hex(4)}.tmp")
+    if given is not None:
+        given.save(fresh)
+    if copy.is_dir():
+        shutil.rmtree(copy)
+    if given is not None:
+        fresh.rename(copy)
 
 
 def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]:
@@ -121,6 +142,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     import transformers
 
     checkpoint = resolve_checkpoint(path)
+    tokenizer = run_tokenizer(checkpoint.parent.parent)  # found missing now, not after loading the model
     config = dict(read_extra(checkpoint)["model_config"])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
@@ -135,7 +157,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
         load_checkpoint(checkpoint, model, None, group=group)
     finally:
         logger.setLevel(level)
-    return model.eval(), run_tokenizer(checkpoint.parent.parent)
+    return model.eval(), tokenizer
 
 
 def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32",

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import (EXPORT_DIR, TOKENIZER_DIR, check_hf_weights, check_replaceable, export, hf_config_dict,
+from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
                      load_hf_weights)
 from .generate import sample
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
@@ -221,8 +221,8 @@ class Trainer:
             load_hf_weights(self.pipe.model, cfg.hf_model)
         if self.rank == 0:  # only once the checkpoint was accepted: a refused resume leaves the run as it was
             (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
-            if self.data.tokenizer.hf is not None or cfg.data.tokenizer:  # keep a copy for export
-                self.data.tokenizer.save(self.run_dir / TOKENIZER_DIR)
+            given = cfg.data.tokenizer or cfg.hf_model  # else trained in run_dir
+            keep_run_tokenizer(self.run_dir, self.data.tokenizer if given else None)
 
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -108,6 +110,18 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_a_checkpoint_moved_out_of_its_run_directory_is_refused_before_the_model_loads(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    moved = tmp_path / "elsewhere" / "step"
+    shutil.copytree(latest_checkpoint(run_dir), moved)
+    with pytest.raises(FileNotFoundError, match=r"holds no tokenizer \(tokenizer/ or tokenizer.json\); a checkpoint "
+                                                r"is read with the tokenizer of its run directory"):
+        export(moved, tmp_path / "hf")
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(moved), "--out", str(tmp_path / "hf")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith(f"error: {tmp_path.resolve()}")
 
 
 def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_path):

@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -22,7 +23,7 @@ from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, read_metrics
-from pipeline_parallel.tokenizer import train_bpe
+from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import Trainer, TrainingDiverged, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,6 +304,25 @@ def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, 
                                                   rf"there reuses it, but {key} = {value} is asked for: .*new run"):
                 Trainer(make_cfg(tmp_path, corpus, **{**own, f"data.{key}": value}))
     Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))  # the same tokenizer settings resume
+
+
+def test_the_export_carries_the_tokenizer_of_its_run_not_one_an_earlier_start_kept(corpus, tmp_path):
+    """A run with a given tokenizer keeps a copy for its export; a later run there that trains its own (after
+    its checkpoints were deleted) must export that one, and a given one must replace the old copy whole."""
+    text = "def f(x):\n    return {'key': [x, 1.5]}"
+    run_dir, copy = tmp_path / "run", tmp_path / "run" / "tokenizer"
+    train_bpe([corpus[0].read_text()], vocab_size=280).save(tmp_path / "given")
+    for tokenizer in ("", str(tmp_path / "given"), str(corpus[1]), ""):
+        if (run_dir / "checkpoints").exists():
+            shutil.rmtree(run_dir / "checkpoints")
+        if copy.exists():
+            (copy / "from-another-kind.json").write_text("{}")  # must not outlive a new copy
+        run(make_cfg(run_dir, corpus, **{"data.tokenizer": tokenizer, "data.vocab_size": 300, "train.max_steps": 1,
+                                         "pipeline.num_microbatches": 1, "checkpoint.interval": 1}))
+        expected = load_tokenizer(tokenizer or run_dir / "tokenizer.json")
+        _, exported = load_full_model(run_dir)
+        assert exported.encode(text) == expected.encode(text) and exported.vocab_size == expected.vocab_size
+        assert copy.is_dir() == bool(tokenizer) and not (copy / "from-another-kind.json").exists()
 
 
 def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
