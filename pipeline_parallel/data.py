@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .loss import IGNORE_INDEX
-from .tokenizer import Tokenizer, cached_tokens, get_tokenizer
+from .tokenizer import Tokenizer, cached_tokens, get_tokenizer, stream_digest
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet"}
@@ -342,12 +342,13 @@ def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = T
 
 @dataclass
 class Data:
-    """What a run trains and evaluates on; num_tokens counts the whole stream."""
+    """What a run trains and evaluates on; num_tokens counts the whole stream, digest hashes its contents."""
 
     tokenizer: Tokenizer
     train: Sequences
     eval: Sequences
     num_tokens: int
+    digest: str
 
 
 def prepare_data(
@@ -388,4 +389,4 @@ def prepare_data(
             f"{seq_len + 1}; add data, lower seq_len, or raise max_tokens"
         )
     train, held = split_sequences(Sequences(tokens, seq_len), eval_fraction)
-    return Data(tok, train, held, len(tokens))
+    return Data(tok, train, held, len(tokens), stream_digest(tokens))

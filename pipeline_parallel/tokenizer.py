@@ -216,6 +216,22 @@ def get_tokenizer(
     return tok
 
 
+def stream_digest(tokens: np.memmap) -> str:
+    """SHA-256 of a cached token stream's contents, taken once and kept beside its file.
+
+    Unlike the cache's name (which knows paths and modification times), it names what a run
+    trains on, so a resume can tell the data of its checkpoint from other data.
+    """
+    kept = Path(tokens.filename).with_suffix(".sha256")
+    if kept.is_file():
+        return kept.read_text().strip()
+    digest = hashlib.sha256()
+    for start in range(0, len(tokens), 1 << 24):
+        digest.update(tokens[start:start + (1 << 24)].tobytes())
+    _atomic_write(kept, digest.hexdigest() + "\n")
+    return digest.hexdigest()
+
+
 def _batched(pieces: Iterable[tuple[str, bool]], max_chars: int = 1 << 22) -> Iterator[list]:
     """Batches for parallel encoding; they start small so a small max_tokens reads little."""
     batch, chars, limit = [], 0, 1 << 15

@@ -234,6 +234,10 @@ class Trainer:
         if extra.get("tokenizer", self.data.tokenizer.fingerprint()) != self.data.tokenizer.fingerprint():
             raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                               "the tokenizer it was trained with, or start a new run_dir")
+        if extra.get("data_digest", self.data.digest) != self.data.digest:
+            raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
+                              "resume with the data it was trained on, or start a new run_dir (to train this model "
+                              "on new data, start from its export with --hf-model)")
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
         load_checkpoint(path, self.pipe.model, self.optimizer)
@@ -296,6 +300,7 @@ class Trainer:
     def save(self) -> None:
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
                  "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint(),
+                 "data_digest": self.data.digest,
                  "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
         self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
                                           self.cfg.checkpoint.keep_last)

@@ -236,6 +236,8 @@ def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
     monkeypatch.undo()
     capped = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300, max_tokens=100)
     assert capped.num_tokens == 100
+    # The hash of the stream's contents, kept beside its cache, tells the data apart for a resume.
+    assert second.digest == first.digest != capped.digest and len(list((tmp_path / "run").glob("*.sha256"))) == 2
 
 
 def test_no_partial_token_cache_is_left_behind(tmp_path):

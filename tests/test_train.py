@@ -289,6 +289,19 @@ def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(r
     assert {name: (whole / name).read_bytes() for name in kept} == kept
 
 
+def test_resume_on_other_data_of_the_same_size_is_refused(corpus, tmp_path):
+    """The loader's position means nothing in another token stream, even one of as many sequences."""
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(reversed(corpus[0].read_text().splitlines())))
+    own = {"data.max_tokens": 20_000, "train.max_steps": 1, "pipeline.num_microbatches": 1, "checkpoint.interval": 1}
+    run(make_cfg(tmp_path / "run", corpus, **own))
+    config = (tmp_path / "run" / "config.toml").read_bytes()
+    with pytest.raises(ConfigError, match=r"step_000001 was trained on other data than data.path gives now .*--hf-model"):
+        Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "data.path": [str(other)], "train.max_steps": 2}))
+    assert (tmp_path / "run" / "config.toml").read_bytes() == config
+    Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "train.max_steps": 2}))  # the same data resumes
+
+
 def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, tmp_path):
     """The BPE trained in a run_dir is reused there, so asking for another vocabulary must be an error,
     also when the start that trained it failed before its settings were saved as config.toml."""
