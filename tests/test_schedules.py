@@ -1,5 +1,6 @@
 """Schedules as data: generated GPipe/1F1B lists are valid and bounded; broken lists are caught. No processes."""
 
+import random
 from collections import defaultdict
 
 import pytest
@@ -409,6 +410,33 @@ def test_simulated_step_time_with_a_heavier_last_stage_and_transfers(name):
             for rank in range(2):  # a rank runs one action at a time, in its list order
                 spans = [times[a] for a in schedule[rank] if not a.kind.is_comm]
                 assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_times_equal_an_in_order_replay_with_uneven_integer_costs(name):
+    """Each action starts when its rank is free and its input exists, also when ranks are free at the same
+    time (integer costs make such ties): a rank that waits must not skip the time a tied rank makes its input."""
+    from pipeline_parallel.schedules.actions import input_of, result_of
+
+    rng = random.Random(0)
+    for _ in range(300):
+        p, m = rng.randint(3, 5), rng.randint(1, 6)
+        costs = [rng.randint(1, 4) for _ in range(p)]
+        duration = lambda a: costs[a.stage] * (1 if a.kind == Kind.F else 2)  # noqa: E731
+        schedule = GENERATORS[name](p, m)
+        ends, made, free, pcs = {}, {}, [0] * p, [0] * p
+        while any(pc < len(actions) for pc, actions in zip(pcs, schedule)):
+            for rank, actions in enumerate(schedule):  # run each rank's next actions whose inputs exist
+                while pcs[rank] < len(actions):
+                    action, source = actions[pcs[rank]], input_of(actions[pcs[rank]], p)
+                    if source is not None and source not in made:
+                        break
+                    start = max(free[rank], made[source] if source is not None else 0)
+                    free[rank] = ends[action] = start + duration(action)
+                    made[result_of(action)] = ends[action]
+                    pcs[rank] += 1
+        times = simulate(schedule, p, duration)
+        assert {a: end for a, (_, end) in times.items()} == ends, (p, m, costs)
 
 
 def test_simulate_reports_a_deadlock():

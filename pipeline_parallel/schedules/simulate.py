@@ -101,12 +101,8 @@ def simulate(
                 action = Action(Kind.I, action.stage, action.mb)
             run(rank, action, start)
             pcs[rank] += 1
-        else:  # idle until another rank has moved on, or until one can
-            later = [clocks[r] for r in live if clocks[r] > now]
-            if later:
-                clocks[rank] = min(later)
-            else:
-                blocked.add(rank)
+        else:  # idle until another rank makes something; then its input is ready at max(now, ready)
+            blocked.add(rank)
 
 
 def _peak_held(program: list[Action], listed: set[Action]) -> int:
