@@ -22,10 +22,12 @@ import argparse
 import collections
 import copy
 import os
+import queue
 import random
 import resource
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -231,6 +233,15 @@ def main() -> None:
     args = parser.parse_args()
     if not args.schedules or set(args.schedules) - {"gpipe", "1f1b"}:
         parser.error(f"--schedules takes gpipe, 1f1b or both (comma-separated), not {','.join(args.schedules)}")
+    for name in ("ranks", "microbatches", "batch", "seq_len", "vocab", "rounds", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, not {args.warmup}")
+    if args.ranks > 8:
+        parser.error(f"--ranks {args.ranks}: the model has 8 layers, and every stage needs one")
+    if args.batch % args.microbatches:
+        parser.error(f"--batch {args.batch} does not split into --microbatches {args.microbatches} equal microbatches")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,7 +251,17 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
     for p in procs:
         p.start()
-    times, counts, measured, programs, faults = results.get()
+    while True:  # a rank that fails prints its traceback and ends; then end the others rather than wait forever
+        try:
+            times, counts, measured, programs, faults = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"rank(s) {', '.join(map(str, failed))} failed (the first error above is the cause); "
+                         "the benchmark stopped")
     for p in procs:
         p.join()
 
