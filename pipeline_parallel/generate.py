@@ -31,14 +31,22 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
 
 def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
-    """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document)."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document).
+
+    The new tokens are decoded together with the prompt's and the prompt's own text cut off:
+    decoded alone, they would lose what their joint with the prompt makes, such as the space
+    a SentencePiece decoder strips from the start of a text ("Hello" + "▁world").
+    """
+    prompt_ids = tokenizer.encode(prompt)
+    ids = prompt_ids or [tokenizer.eos_id]
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
                    top_k=top_k or None, generator=generator if device.type == "cpu" else None)
     new = out[0, len(ids):].tolist()
-    return prompt + tokenizer.decode(new)
+    head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new)
+    # A prompt that ends inside a character (byte-level BPE) decodes apart from the whole: then the new tokens alone.
+    return prompt + (whole[len(head):] if whole.startswith(head) else tokenizer.decode(new))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -83,6 +84,33 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sample_keeps_the_space_a_sentencepiece_decoder_strips_from_a_text_start(tmp_path):
+    """Llama 2, Mistral and Gemma tokenizers decode "▁world" alone as "world", after "Hello" as " world"."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁": 2, "H": 3, "e": 4, "l": 5, "o": 6, "▁world": 7}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", fuse_unk=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "unk_token": "<unk>"}))
+    tokenizer = load_tokenizer(tmp_path)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab), hidden_size=8, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with torch.no_grad():  # a model whose every next token is "▁world": a constant final hidden state picks it
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[vocab["▁world"], 0] = 1.0
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+    assert tokenizer.decode(tokenizer.encode("Hello") + [vocab["▁world"]]) == "Hello world"
+    assert sample(model, tokenizer, "Hello", max_new_tokens=2, temperature=0) == "Hello world world"
+    assert sample(model, tokenizer, "", max_new_tokens=2, temperature=0) == "world world"  # a document's start
+
+
 def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     run_dir, _ = trained
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
