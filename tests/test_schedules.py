@@ -310,6 +310,24 @@ def test_validator_catches_duplicate_action():
         validate(_lowered(compute), 2, 2)
 
 
+def test_validator_catches_a_transfer_posted_twice():
+    lowered = [list(actions) for actions in lower(gpipe(2, 2), 2)]
+    lowered[0].append(Action(Kind.SEND_F, 0, 0))
+    lowered[1].append(Action(Kind.RECV_F, 1, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0 runs \[SEND_F0\.0\] more than once"):
+        validate(lowered, 2, 2)
+
+
+@pytest.mark.parametrize("rank, send", [(0, Action(Kind.SEND_F, 0, 0)), (1, Action(Kind.SEND_B, 1, 1))])
+def test_validator_catches_a_send_before_the_compute_that_makes_it(rank, send):
+    """The runtime would have nothing to send yet."""
+    lowered = [list(actions) for actions in lower(gpipe(2, 2), 2)]
+    lowered[rank].remove(send)
+    lowered[rank].insert(0, send)
+    with pytest.raises(ScheduleError, match=rf"rank {rank} posts {send!r} before it computes what that sends"):
+        validate(lowered, 2, 2)
+
+
 def test_validator_catches_backward_before_forward():
     compute = [[F(0, 0), B(0, 1), F(0, 1), B(0, 0)], [F(1, 0), F(1, 1), B(1, 1), B(1, 0)]]
     with pytest.raises(ScheduleError, match=r"rank 0 runs B0\.1 before the forward"):
@@ -318,9 +336,9 @@ def test_validator_catches_backward_before_forward():
 
 def test_validator_catches_swapped_send_order():
     schedule = build_schedule("gpipe", 2, 3)
-    program = schedule[0]
-    i, j = program.index(Action(Kind.SEND_F, 0, 0)), program.index(Action(Kind.SEND_F, 0, 1))
-    program[i], program[j] = program[j], program[i]
+    program = schedule[0]  # the first activation sent after the second, both once computed
+    program.remove(Action(Kind.SEND_F, 0, 0))
+    program.insert(program.index(Action(Kind.SEND_F, 0, 1)) + 1, Action(Kind.SEND_F, 0, 0))
     with pytest.raises(ScheduleError, match=r"message 0 from rank 0 to rank 1.*microbatch 1.*microbatch 0.*in order"):
         validate(schedule, 2, 3)
 

@@ -58,13 +58,21 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
                     need = "F" if forward_only else "F and B (or I and W)"
                     raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
                                         f"it runs {sorted(k.value for k in got) or 'nothing'}")
-        done = set()
-        for a in seen:
+        duplicates = {a for a, count in Counter(actions).items() if count > 1 and a.kind.is_comm}
+        if duplicates:  # a value is sent and received once
+            raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
+        done = set()  # compute actions run so far, and their results
+        for a in actions:
             if a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.stage, a.mb) not in done:
                 raise ScheduleError(f"rank {rank} runs {a!r} before the forward of that stage and microbatch")
             if a.kind == Kind.W and Action(Kind.I, a.stage, a.mb) not in done:
                 raise ScheduleError(f"rank {rank} runs {a!r} before the I of that stage and microbatch")
-            done.add(a)
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                sent = Action(Kind.F if a.kind == Kind.SEND_F else Kind.B, a.stage, a.mb)  # a B or an I makes it
+                if sent not in done:
+                    raise ScheduleError(f"rank {rank} posts {a!r} before it computes what that sends")
+            elif not a.kind.is_comm:
+                done.update({a, result_of(a)})
 
 
 def _peer(action, num_ranks: int) -> int:
