@@ -44,6 +44,12 @@ def test_from_hf_config_rejects_unsupported_features():
     scaled = transformers.LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ValueError, match="rope scaling"):
         LlamaConfig.from_hf_config(scaled)
+    # Llama's fields, but a sliding window this model lacks: it would give other logits.
+    mistral = transformers.MistralConfig(**{k: getattr(hf_cfg, k) for k in ("vocab_size", "hidden_size",
+                                            "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                            "num_key_value_heads")}, sliding_window=4)
+    with pytest.raises(ValueError, match="model_type 'mistral' \\(Llama's is 'llama'"):
+        LlamaConfig.from_hf_config(mistral)
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -75,6 +75,9 @@ class LlamaConfig:
         rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
         head_dim = getattr(hf_config, "head_dim", None)
         unsupported = {
+            # Other families add to Llama (Mistral's sliding window, Qwen2's biases) what the fields below miss.
+            f"model_type {getattr(hf_config, 'model_type', None)!r} (Llama's is 'llama'; the Pipeline runs the "
+            "others in their transformers classes)": getattr(hf_config, "model_type", "llama") != "llama",
             "rope scaling": rope.get("rope_type", rope.get("type", "default")) != "default",
             "hidden_act other than silu": getattr(hf_config, "hidden_act", "silu") != "silu",
             "attention_bias": getattr(hf_config, "attention_bias", False),
