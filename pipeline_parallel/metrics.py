@@ -76,8 +76,9 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path) -> str:
     renderer (axes, tick labels, two lines), so every run ends with a picture of its loss.
     """
     records = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    # A loss that is not finite (say, of a diverged evaluation) has no place on the axes.
+    train = [(r["step"], r["loss"]) for r in records if math.isfinite(r.get("loss", math.nan))]
+    evals = [(r["step"], r["eval_loss"]) for r in records if math.isfinite(r.get("eval_loss", math.nan))]
     try:
         import matplotlib
 

@@ -22,7 +22,7 @@ from _dist import _free_port, run_distributed
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
 from pipeline_parallel.export import load_full_model
-from pipeline_parallel.metrics import MetricsLogger, read_metrics
+from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
 from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import Trainer, TrainingDiverged, main, run
 
@@ -345,6 +345,14 @@ def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
     path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
     with pytest.raises(ValueError, match="record 1, is not JSON"):
         read_metrics(path)
+
+
+def test_the_loss_plot_leaves_out_a_loss_that_is_not_finite(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 5.0, "eval_loss": NaN}\n'
+                    '{"step": 3, "loss": Infinity}\n{"step": 4, "loss": 4.0, "eval_loss": 4.5}\n')
+    plot_loss(path, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_tensorboard_events_read_as_one_run_after_a_resume(tmp_path):
