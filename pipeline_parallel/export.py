@@ -125,12 +125,15 @@ def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
     """
     copy = Path(run_dir) / TOKENIZER_DIR
     fresh = copy.with_name(f".{copy.name}.{secrets.token_hex(4)}.tmp")
-    if given is not None:
-        given.save(fresh)
-    if copy.is_dir():
-        shutil.rmtree(copy)
-    if given is not None:
-        fresh.rename(copy)
+    try:
+        if given is not None:
+            given.save(fresh)
+        if copy.is_dir():
+            shutil.rmtree(copy)
+        if given is not None:
+            fresh.rename(copy)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)  # left only by a failed save
 
 
 def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]:

@@ -216,6 +216,10 @@ def get_tokenizer(
     return tok
 
 
+# ---------------------------------------------------------------------------------------------
+# The token stream of a run, cached
+
+
 def stream_digest(tokens: np.memmap) -> str:
     """SHA-256 of a cached token stream's contents, taken once and kept beside its file.
 
