@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import NamedTuple
 
@@ -53,6 +54,7 @@ def W(stage: int, mb: int) -> Action:
     return Action(Kind.W, stage, mb)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def result_of(action: Action) -> Action | None:
     """What a compute action hands to a neighbouring stage: the activation `F(stage, mb)` or the
     input gradient, named `B(stage, mb)` whether a B or an I made it; W hands on nothing."""
@@ -70,6 +72,7 @@ def user_of(action: Action, num_stages: int) -> int | None:
     return user if 0 <= user < num_stages else None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def input_of(action: Action, num_stages: int) -> Action | None:
     """The neighbour's result (see `result_of`) that `action` consumes: the previous stage's
     activation for F, the next stage's input gradient for B and I; None where the input comes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import Callable
 
@@ -41,7 +42,7 @@ def simulate(
     results: dict[Action, float] = {}  # when each result (see `result_of`) was made
     clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
-    blocked: set[int] = set()  # ranks waiting for an input no action has made yet
+    awaited: dict[Action, int] = {}  # a result no action has made yet -> the rank waiting for it
     consumers: dict[Action, tuple[int, int]] = {}  # for split_waited: result -> (rank, index) of its user
     busy: list[list[float]] = []  # busy[r][i]: compute time of rank r's first i listed actions
     if split_waited:
@@ -75,21 +76,16 @@ def simulate(
         times[action] = (start, clocks[rank])
         if result_of(action) is not None:
             results[result_of(action)] = clocks[rank]
+            user = awaited.pop(result_of(action), None)
+            if user is not None:  # it may go on
+                heapq.heappush(free, (clocks[user], user))
         held[rank] += _HELD.get(action.kind, 0)
         if action.kind == Kind.I and W(action.stage, action.mb) not in listed:
             unplaced[rank].append(W(action.stage, action.mb))
-        blocked.clear()
 
-    while True:
-        live = [r for r in range(num_ranks) if pcs[r] < len(programs[r]) or unplaced[r]]
-        if not live:
-            return times
-        waiting = [r for r in live if r not in blocked]
-        if not waiting:
-            stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in live]
-            raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
-        rank = min(waiting, key=clocks.__getitem__)  # the earliest free rank moves next
-        now = clocks[rank]
+    free = [(0.0, r) for r in range(num_ranks) if programs[r]]  # (clock, rank) of each rank able to move
+    while free:
+        now, rank = heapq.heappop(free)  # the earliest free rank moves next
         action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
         ready = None if action is None else ready_time(rank, action)
         over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
@@ -101,8 +97,15 @@ def simulate(
                 action = Action(Kind.I, action.stage, action.mb)
             run(rank, action, start)
             pcs[rank] += 1
-        else:  # idle until another rank makes something; then its input is ready at max(now, ready)
-            blocked.add(rank)
+        else:  # idle until its input is made (see `run`); then it is ready at max(now, ready)
+            awaited[input_of(action, num_stages)] = rank
+            continue
+        if pcs[rank] < len(programs[rank]) or unplaced[rank]:
+            heapq.heappush(free, (clocks[rank], rank))
+    if awaited:
+        stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in sorted(awaited.values())]
+        raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
+    return times
 
 
 def _peak_held(program: list[Action], listed: set[Action]) -> int:
