@@ -43,6 +43,7 @@ def simulate(
     clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
     awaited: dict[Action, int] = {}  # a result no action has made yet -> the rank waiting for it
+    free = [(0.0, r) for r in range(num_ranks) if programs[r]]  # a heap: (clock, rank) of each rank able to move
     consumers: dict[Action, tuple[int, int]] = {}  # for split_waited: result -> (rank, index) of its user
     busy: list[list[float]] = []  # busy[r][i]: compute time of rank r's first i listed actions
     if split_waited:
@@ -83,7 +84,6 @@ def simulate(
         if action.kind == Kind.I and W(action.stage, action.mb) not in listed:
             unplaced[rank].append(W(action.stage, action.mb))
 
-    free = [(0.0, r) for r in range(num_ranks) if programs[r]]  # (clock, rank) of each rank able to move
     while free:
         now, rank = heapq.heappop(free)  # the earliest free rank moves next
         action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
