@@ -7,6 +7,7 @@ import contextlib
 import copy
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -193,13 +194,17 @@ def _convert(key: str, value, from_text: bool):
                 raise ValueError
             return value.lower() in ("true", "1", "yes")
         if from_text:
-            return kind(value)
-        if kind is float and type(value) is int:
-            return float(value)
-        return _exact(kind, value)
+            converted = kind(value)
+        elif kind is float and type(value) is int:
+            converted = float(value)
+        else:
+            converted = _exact(kind, value)
     except (TypeError, ValueError):
         name = "a list" if typing.get_origin(kind) is list else kind.__name__
         raise ConfigError(f"config key {key!r} must be {name}, got {value!r}") from None
+    if kind is float and not math.isfinite(converted):
+        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+    return converted
 
 
 def _exact(kind: type, value):
@@ -314,6 +319,7 @@ def validate(cfg: Config, world_size: int) -> None:
 
     t, o, d, p = cfg.train, cfg.optim, cfg.data, cfg.pipeline
     check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
+    check(0 <= cfg.seed < 2**63, f"seed must be in [0, 2**63) (what torch's generators take), got {cfg.seed}")
     check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
     check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")

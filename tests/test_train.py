@@ -92,6 +92,14 @@ def test_config_errors(tmp_path, corpus):
         parse_args(["--optim.lrr", "1e-3"])
     with pytest.raises(ConfigError, match="must be int"):
         parse_args(["--train.batch_size", "eight"])
+    # An infinite lr or eps passed the range checks: the first turned the weights to NaN in the first update,
+    # the second silently froze training.
+    for args in (["--optim.lr", "inf"], ["--optim.eps", "-inf"], ["--export.temperature", "1e400"]):
+        with pytest.raises(ConfigError, match=rf"'{args[0][2:]}' must be a finite number, got '{args[1]}'"):
+            parse_args(args)
+    toml.write_text("[optim]\nlr = inf\n")
+    with pytest.raises(ConfigError, match="'optim.lr' must be a finite number, got inf"):
+        load_config(toml)
     cfg = make_cfg(tmp_path, corpus)
     validate(cfg, 4)
     with pytest.raises(ConfigError, match="5 pipeline stages .* 4 decoder layers"):
@@ -108,7 +116,8 @@ def test_config_errors(tmp_path, corpus):
                                 ("data.vocab_size", 10, "data.vocab_size must be at least 257"),
                                 ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1"),
                                 ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after"),
-                                ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no")):
+                                ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
+                                ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)")):
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
 
