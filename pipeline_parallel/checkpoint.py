@@ -317,10 +317,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """Return the newest complete checkpoint under `run_dir/checkpoints`, or None.
+    """Return the checkpoint under `run_dir/checkpoints` to resume from, or None.
 
-    Follows the `latest` pointer; if it is missing or dangling (a crash between the
-    rename and the pointer update) falls back to the most recently saved complete checkpoint.
+    Follows the `latest` pointer: after a crash between a save's rename and the pointer update it
+    still names the previous checkpoint, which is complete (the steps since are trained again). If
+    the pointer is missing or names no complete checkpoint, the most recently saved complete one.
     """
     ckpt_dir = Path(run_dir) / CHECKPOINTS
     pointer = ckpt_dir / LATEST
