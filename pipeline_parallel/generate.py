@@ -59,9 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name, lowest in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1)):
+    for name, lowest in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1), ("seed", 0)):
         if not getattr(args, name) >= lowest:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
+    if args.seed + args.num_samples > 2**63:  # sample i takes seed + i; torch's generators take less than 2**63
+        parser.error(f"--seed must be below 2**63 - --num-samples, got {args.seed}")
     try:
         model, tokenizer = load_model(args.path)
     except (OSError, ValueError) as e:  # nothing loadable there

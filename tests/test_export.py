@@ -78,6 +78,9 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit):  # before loading anything
         generate_main([str(out), "--temperature", "-1"])
     assert "--temperature must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate_main([str(out), "--seed", str(2**64)])
+    assert "--seed must be below 2**63" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(tmp_path / "nothing-here")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
