@@ -366,13 +366,13 @@ def prepare_data(
     """Tokenizer, train and held-out sequences for a run, cached in run_dir.
 
     data: None (the Python stdlib's .py files), paths to files/directories, or
-    hf:NAME[:CONFIG[:SPLIT]]. tokenizer: a tokenizer.json or tokenizer directory;
-    if None a byte-level BPE of vocab_size is trained on the first
-    tokenizer_train_chars characters and kept as run_dir/tokenizer.json (reused
-    from then on; asking for other settings there is an error). max_tokens caps the token stream (train + held-out); use it
-    with big datasets. Under torchrun, call this on rank 0 first, barrier, then on
-    the other ranks, which then only read the caches rank 0 wrote (files are
-    written atomically, so concurrent calls are safe too, merely wasteful).
+    hf:NAME[:CONFIG[:SPLIT]]. tokenizer: a tokenizer.json or tokenizer directory; if
+    None a byte-level BPE of vocab_size is trained on the first tokenizer_train_chars
+    characters and kept as run_dir/tokenizer.json (reused from then on; asking for other
+    settings there is an error). max_tokens caps the token stream (train + held-out);
+    use it with big datasets. Under torchrun, call this on rank 0 first, barrier, then
+    on the other ranks, which then only read the caches rank 0 wrote (files are written
+    atomically, so concurrent calls are safe too, merely wasteful).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")

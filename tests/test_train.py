@@ -305,7 +305,7 @@ def test_resume_on_other_data_of_the_same_size_is_refused(corpus, tmp_path):
     own = {"data.max_tokens": 20_000, "train.max_steps": 1, "pipeline.num_microbatches": 1, "checkpoint.interval": 1}
     run(make_cfg(tmp_path / "run", corpus, **own))
     config = (tmp_path / "run" / "config.toml").read_bytes()
-    with pytest.raises(ConfigError, match=r"step_000001 was trained on other data than data.path gives now .*--hf-model"):
+    with pytest.raises(ConfigError, match=r"step_000001 was trained on other data than data.path gives .*--hf-model"):
         Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "data.path": [str(other)], "train.max_steps": 2}))
     assert (tmp_path / "run" / "config.toml").read_bytes() == config
     Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "train.max_steps": 2}))  # the same data resumes
