@@ -13,8 +13,12 @@ def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
     return value
 
 
-def check_positive(name: str, value) -> float:
-    """`value` as a float if it is a finite real number > 0 (numpy's too), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+def check_positive(name: str, value, allow_inf: bool = False, hint: str = "") -> float:
+    """`value` as a float if it is a finite real number > 0 (numpy's too), else a ValueError naming `name`.
+
+    With `allow_inf`, infinity is taken too (where it means "no bound"); `hint` says what values mean.
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0
+            or (value == math.inf and not allow_inf)):
+        raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number > 0{hint}, got {value!r}")
     return float(value)

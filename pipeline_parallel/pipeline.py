@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 import time
 
 import torch
 from torch import nn
 
-from ._checks import check_int
+from ._checks import check_int, check_positive
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
@@ -223,12 +222,9 @@ class Pipeline:
         The norm is taken over the whole model, as one process would: each rank reduces its
         own gradients, the ranks combine the results, and the tied LM head is counted once.
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not max_norm > 0:
-            raise ValueError(f"max_norm must be a number > 0 (inf: measure the norm, clip nothing), got {max_norm!r}")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
-            raise ValueError(f"norm_type must be a number > 0 (2.0: the usual Euclidean norm; inf: the largest "
-                             f"entry), got {norm_type!r}")
-        norm_type = float(norm_type)
+        check_positive("max_norm", max_norm, allow_inf=True, hint=" (inf: measure the norm, clip nothing)")
+        norm_type = check_positive("norm_type", norm_type, allow_inf=True,
+                                   hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         local = (
             torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
