@@ -109,12 +109,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def run_tokenizer(run_dir: str | Path) -> Tokenizer:
     """The tokenizer a run trained with: the user's copy in run_dir/tokenizer, else the trained one."""
     run_dir = Path(run_dir)
-    if not (run_dir / TOKENIZER_DIR).is_dir() and not (run_dir / TOKENIZER_FILE).is_file():
+    path = run_dir / TOKENIZER_DIR if (run_dir / TOKENIZER_DIR).is_dir() else run_dir / TOKENIZER_FILE
+    if not path.exists():
         raise FileNotFoundError(
             f"{run_dir.resolve()} holds no tokenizer ({TOKENIZER_DIR}/ or {TOKENIZER_FILE}); a checkpoint is "
             f"read with the tokenizer of its run directory, so give it where it lies there "
             f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
-    return load_tokenizer(run_dir / TOKENIZER_DIR if (run_dir / TOKENIZER_DIR).is_dir() else run_dir / TOKENIZER_FILE)
+    return load_tokenizer(path)
 
 
 def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:

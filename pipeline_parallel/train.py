@@ -84,6 +84,11 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading
 
 
+def _given_tokenizer(cfg: Config) -> str | None:
+    """The tokenizer the run is given (data.tokenizer, else the --hf-model's own); None: one trained in run_dir."""
+    return cfg.data.tokenizer or cfg.hf_model or None
+
+
 def _describe(error: Exception | None) -> tuple[bool, str] | None:
     return None if error is None else (isinstance(error, _DATA_FAULTS), str(error))
 
@@ -146,7 +151,7 @@ class Trainer:
                 check_layout(model := build_model(cfg, vocab_size=0))
                 check_hf_weights(model, cfg.hf_model)
 
-        tokenizer = cfg.data.tokenizer or cfg.hf_model or None
+        tokenizer = _given_tokenizer(cfg)
         self.data = self._rank0_first(lambda: prepare_data(
             self.run_dir, cfg.data.path or None, seq_len=cfg.data.seq_len, tokenizer=tokenizer,
             vocab_size=cfg.data.vocab_size, text_field=cfg.data.text_field, max_tokens=cfg.data.max_tokens or None,
@@ -221,8 +226,7 @@ class Trainer:
             load_hf_weights(self.pipe.model, cfg.hf_model)
         if self.rank == 0:  # only once the checkpoint was accepted: a refused resume leaves the run as it was
             (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
-            given = cfg.data.tokenizer or cfg.hf_model  # else trained in run_dir
-            keep_run_tokenizer(self.run_dir, self.data.tokenizer if given else None)
+            keep_run_tokenizer(self.run_dir, self.data.tokenizer if _given_tokenizer(cfg) else None)
 
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
