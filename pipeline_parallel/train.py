@@ -120,7 +120,8 @@ def _check_same_settings(cfg: Config) -> None:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradients stopped being finite; raised on every rank before the update."""
+    """The loss or the gradients stopped being finite (raised before the update), or the weights after an
+    update did (raised before they are saved); on every rank."""
 
 
 class Trainer:
@@ -267,11 +268,8 @@ class Trainer:
         grad_norm = self.pipe.clip_grad_norm_(cfg.optim.grad_clip or math.inf).item()
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same numbers on every rank
             self.pipe.zero_grad()
-            then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
-            raise TrainingDiverged(
-                f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; the weights were not updated and "
-                f"nothing was saved: {then} with a lower optim.lr, more optim.warmup_steps, "
-                f"{'a lower optim.grad_clip' if cfg.optim.grad_clip else 'optim.grad_clip = 1.0'} or train.dtype = fp32")
+            raise self._diverged(f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; the weights were "
+                                 "not updated and nothing was saved")
         self.optimizer.step()
         self.pipe.zero_grad()
         self.step += 1
@@ -301,7 +299,23 @@ class Trainer:
                 break
         return total / count
 
+    def _diverged(self, what: str) -> TrainingDiverged:
+        """`what` went wrong, and how to go on: from the last checkpoint, with settings that train more gently."""
+        then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
+        clip = "a lower optim.grad_clip" if self.cfg.optim.grad_clip else "optim.grad_clip = 1.0"
+        return TrainingDiverged(f"{what}: {then} with a lower optim.lr, more optim.warmup_steps, {clip} or "
+                                "train.dtype = fp32")
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (one all-reduce, so every rank calls it)."""
+        bad = any(not torch.isfinite(p).all() for p in self.pipe.parameters())
+        return self.pipe.comm.all_reduce(torch.tensor([float(bad)], device=self.pipe.device)).item() == 0
+
     def save(self) -> None:
+        """Checkpoint this step; refuse weights an update made infinite or NaN, which no resume could use."""
+        if not self._weights_finite():
+            raise self._diverged(f"step {self.step}: its update made weights that are not finite (its loss and "
+                                 "gradients were); nothing was saved")
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
                  "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint(),
                  "data_digest": self.data.digest,

@@ -486,6 +486,35 @@ def test_divergence_stops_every_rank_before_the_update_and_keeps_the_checkpoints
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _overflow_at_step_2(rank, world_size, cfg):
+    """Train with the last stage's update of step 2 turning a weight infinite; returns what was raised."""
+    trainer = Trainer(cfg)
+    real_update = trainer.optimizer.step
+
+    def update(*args, **kwargs):
+        real_update(*args, **kwargs)
+        if trainer.step == 1 and rank == world_size - 1:
+            with torch.no_grad():
+                next(trainer.pipe.parameters())[0] = float("inf")
+
+    trainer.optimizer.step = update
+    with pytest.raises(TrainingDiverged) as raised:
+        trainer.fit()
+    return str(raised.value)
+
+
+def test_weights_an_update_made_infinite_are_not_saved(corpus, tmp_path):
+    """Finite loss and gradients, but an update overflows a weight: the checkpoint of that step is
+    refused on every rank, so the one before stays the latest and the message points to it."""
+    cfg = make_cfg(tmp_path, corpus, **{"checkpoint.interval": 1, "checkpoint.keep_last": 2})
+    for message in run_distributed(_overflow_at_step_2, 2, cfg):
+        assert message.startswith("step 2: its update made weights that are not finite"), message
+        assert "step_000001" in message and "optim.lr" in message
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
+    model, _ = load_full_model(tmp_path)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_torchrun_end_to_end(corpus, tmp_path):
     """The real launcher on 2 ranks: metrics, checkpoint, loss plot, export and a printed sample."""
     cfg = make_cfg(tmp_path / "run", corpus, **{
