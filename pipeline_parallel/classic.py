@@ -8,11 +8,11 @@ from torch import nn
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import DecoderParts, check_layout, model_settings, tied_weight_end
+from .models.decoder import DecoderParts, check_layout, check_shared_parameters, model_settings, tied_weight_end
 from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
-from .stage import PipelineStage
+from .stage import PipelineStage, inference_mode_error
 
 
 def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> float | None:
@@ -47,7 +47,10 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         check_layout(model)
         num_layers, vocab_size = len(model.model.layers), model.config.vocab_size
         model_config = model_settings(model.config)
-        error = error or _check_dtype(dtype) or _check_microbatches(inputs, targets)
+        layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
+        check_shared_parameters(model, layer_ranges(layer_counts), hint="the classic API splits the layers evenly; "
+                                "Pipeline(..., layer_counts=...) can keep the layers sharing it on one stage")
+        error = error or _check_dtype(dtype) or _check_microbatches(inputs, targets) or inference_mode_error()
         if error is None:
             input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
     except (TypeError, ValueError) as e:
@@ -58,7 +61,6 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
                           vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
                           local_error=error, details={"model_config": model_config})
-    layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
     for module in parts.modules():

@@ -50,6 +50,9 @@ class PipeComm:
             return
         self.group = group or dist.group.WORLD
         self.pp_rank = dist.get_rank(self.group)
+        if self.pp_rank < 0:  # torch's stand-in for a group this process was left out of
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group, so "
+                             "it has no stage in that pipeline; build the Pipeline only on the group's ranks")
         self.pp_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
         # Posting a receive early overlaps the transfer with compute on gloo, whose transfers are

@@ -12,12 +12,12 @@ from ._checks import check_int, check_positive
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import (DecoderParts, check_layout, keep_local_part, materialize, model_settings, tied_weight_end,
-                             weights_on_meta)
+from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, keep_local_part, materialize,
+                             model_settings, tied_weight_end, weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
-from .stage import PipelineStage
+from .stage import PipelineStage, inference_mode_error
 
 
 class Pipeline:
@@ -117,6 +117,8 @@ class Pipeline:
         if layer_counts is None:
             layer_counts = balanced_layer_counts(num_layers, self.pp_size, estimate_costs(model.config, seq_len))
         layer_counts = check_layer_counts(layer_counts, num_layers, self.pp_size)
+        check_shared_parameters(model, layer_ranges(layer_counts),
+                                hint="pass layer_counts that keep the layers sharing it on one stage")
         train = self._program(model.config, layer_counts, seq_len)
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
@@ -155,7 +157,7 @@ class Pipeline:
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches,
             settings={**self._settings, **fingerprint(mode="step" if training else "evaluate")},
-            local_error=self._changed(),
+            local_error=self._changed() or (inference_mode_error() if training else None),
         )
         if info.num_target_tokens == 0:
             raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to train on")

@@ -86,6 +86,15 @@ class PipelineStage:
         return torch.autocast(x.device.type, dtype=self.autocast_dtype)
 
 
+def inference_mode_error() -> str | None:
+    """Why no training step can run here, or None: inside torch.inference_mode() no graph is built,
+    and `torch.set_grad_enabled(True)` cannot turn it back on."""
+    if torch.is_inference_mode_enabled():
+        return ("a training step cannot run inside torch.inference_mode(), where no backward can follow a forward; "
+                "call it outside (Pipeline.evaluate computes a loss without a graph)")
+    return None
+
+
 class _WeightPass:
     """Splits one backward into the input's gradient now and the weight gradients later.
 

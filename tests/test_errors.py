@@ -91,6 +91,18 @@ def _converted_after(group):
     return pipe
 
 
+def shared_mlp(first: int, second: int):
+    """A Llama whose layers `first` and `second` share one MLP up-projection (one Parameter)."""
+    model = build("llama", 4)
+    model.model.layers[second].mlp.up_proj = model.model.layers[first].mlp.up_proj
+    return model
+
+
+def _in_inference_mode(fn):
+    with torch.inference_mode():
+        return fn()
+
+
 def _set(tensor, index, value):
     tensor = tensor.clone()
     tensor[index] = value
@@ -181,6 +193,13 @@ PIPELINE_CASES = {
     "tied-weight-frozen-at-one-end": (lambda r, w, g: _frozen_at_first_end(g).step(X, Y), ValueError,
                                       r"the tied embedding is frozen at one end only: set requires_grad alike on "
                                       r"model.embed_tokens.weight \(first rank\) and lm_head.weight"),
+    "weight-shared-across-stages": (lambda r, w, g: pp.Pipeline(shared_mlp(1, 2), device="cpu", group=g,
+                                                                num_microbatches=2), ValueError,
+                                    r"model.layers.1.mlp.up_proj.weight \(stage 0\) and model.layers.2.mlp.up_proj."
+                                    r"weight \(stage 1\) are one parameter, shared across pipeline stages: each "
+                                    r"stage would compute only its own part of its gradient; pass layer_counts"),
+    "step-in-inference-mode": (lambda r, w, g: (lambda p: _in_inference_mode(lambda: p.step(X, Y)))(_pipe(g)),
+                               ValueError, r"a training step cannot run inside torch.inference_mode\(\)"),
     "invalid-on-rank-1-only": (lambda r, w, g: _pipe(g, num_microbatches=2 if r == 0 else 0), ValueError,
                                r"pipeline rank 1: num_microbatches must be an integer >= 1"),
     "unknown-schedule-on-rank-1-only": (lambda r, w, g: _pipe(g, schedule="1f1b" if r == 0 else "zigzag"),
@@ -309,6 +328,11 @@ CLASSIC_CASES = {
     "classic-zero-dim-microbatch": (lambda r, w, g: _classic([XS[0], torch.tensor(3)], [YS[0], torch.tensor(3)]),
                                     ValueError, r"every element of inputs must be shaped \[microbatch, seq_len\], "
                                     r"got one shaped \(\)"),
+    "classic-weight-shared-across-stages": (lambda r, w, g: _classic(model=shared_mlp(1, 2)), ValueError,
+                                            r"are one parameter, shared across pipeline stages.*the classic API "
+                                            r"splits the layers evenly"),
+    "classic-in-inference-mode": (lambda r, w, g: _in_inference_mode(_classic), ValueError,
+                                  r"a training step cannot run inside torch.inference_mode\(\)"),
     "classic-integer-dtype": (lambda r, w, g: _classic(dtype=torch.int64), ValueError,
                               r"dtype must be a floating-point torch.dtype .* got torch.int64"),
 }
@@ -357,6 +381,37 @@ def _recovery_worker(rank, world_size):
         except ValueError as e:
             errors.append(str(e))
     return errors, *_clean_step(pipe, ref, x, y)
+
+
+def _shared_within_stage_worker(rank, world_size):
+    """Layers 0 and 1 share a weight and both run on stage 0: the Pipeline accepts it and is exact."""
+    model = shared_mlp(0, 1)
+    ref = copy.deepcopy(model)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu", layer_counts=[2, 2])
+    return _clean_step(pipe, ref, *_data())
+
+
+def test_a_weight_shared_within_one_stage_trains_exactly():
+    for loss, ref_loss, diff, saved in run_distributed(_shared_within_stage_worker, 2, timeout=TIMEOUT):
+        assert loss == pytest.approx(ref_loss, abs=1e-6) and diff < 1e-5 and saved == 0
+
+
+def _outside_group_worker(rank, world_size):
+    """A pipeline on a group of rank 0 alone: rank 0 trains on it, rank 1 is told it is not a member."""
+    group = dist.new_group([0])
+    try:
+        pipe = pp.Pipeline(build("llama", 2), num_microbatches=2, device="cpu", group=group)
+        return "ok", pipe.step(*_data())
+    except ValueError as e:
+        return "ValueError", str(e)
+
+
+def test_a_rank_outside_the_group_gets_a_clear_error():
+    (outcome_0, loss), (outcome_1, message) = run_distributed(_outside_group_worker, 2, timeout=TIMEOUT)
+    assert outcome_0 == "ok" and loss > 0
+    assert outcome_1 == "ValueError" and re.search(
+        r"this process \(global rank 1\) is not a member of the given group, so it has no stage in that pipeline; "
+        r"build the Pipeline only on the group's ranks", message), message
 
 
 def _all_tables():

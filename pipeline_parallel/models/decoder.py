@@ -88,6 +88,28 @@ class DecoderParts:
         return hidden
 
 
+def check_shared_parameters(model: nn.Module, stage_layers: list[range], hint: str) -> None:
+    """Raise unless every parameter the model uses in several places runs on one stage, or is the
+    tied embedding and LM head (the runtime adds up the gradients of its two ends).
+
+    Each stage computes only its own part of a weight's gradient: a weight shared by layers on two
+    stages would be updated differently at each end and drift apart. `hint` says how to split instead.
+    """
+    num_stages = len(stage_layers)
+    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {stage: its first name there}
+    for stage, indices in enumerate(stage_layers):
+        for prefix, module in DecoderParts.of(model, indices, stage == 0, stage == num_stages - 1).named_modules():
+            for name, param in module.named_parameters(prefix, remove_duplicate=False):
+                owners.setdefault(id(param), {}).setdefault(stage, name)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for key, stages in owners.items():
+        if len(stages) == 1 or (tied and key == id(model.lm_head.weight) and set(stages) == {0, num_stages - 1}):
+            continue
+        where = " and ".join(f"{name} (stage {stage})" for stage, name in stages.items())
+        raise ValueError(f"{where} are one parameter, shared across pipeline stages: each stage would compute "
+                         f"only its own part of its gradient; {hint}, or give each layer its own copy")
+
+
 # Config entries that say how a rank loaded or runs its model, not what the model computes.
 _RUN_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
                               "use_cache", "return_dict", "output_attentions", "output_hidden_states", "_commit_hash"})
