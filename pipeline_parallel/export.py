@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
-from .models.decoder import hf_float32
+from .models.decoder import hf_float32, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 EXPORT_DIR = "export"  # in the run directory
@@ -151,9 +151,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
-    model.to_empty(device="cpu")
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # buffers no checkpoint holds
-    model.tie_weights()
+    materialize(model, torch.device("cpu"), init_weights=False)  # the buffers no checkpoint holds
     logger = logging.getLogger("pipeline_parallel.checkpoint")
     level = logger.level
     logger.setLevel(logging.ERROR)  # its "RNG not restored" note means nothing here

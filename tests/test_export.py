@@ -253,3 +253,27 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
     for name, value in trained_model.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], value, atol=0, rtol=0)
     assert not torch.equal(exported.model.layers[0].self_attn.q_proj.bias, original.model.layers[0].self_attn.q_proj.bias)
+
+
+def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: F811
+    """Gemma scales its embeddings by a buffer no checkpoint holds: a run loaded for sampling or
+    export computes it, so its logits are those of the export loaded by transformers."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.GemmaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=tok.eos_id,
+                                      pad_token_id=0)
+    torch.manual_seed(0)
+    hf_dir = save_hf_model(transformers.GemmaForCausalLM(config), tok, tmp_path / "gemma")
+    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(hf_dir), **{"train.max_steps": 1, "eval.interval": 0})
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        setattr(cfg.model, key, None)
+    cfg.data.tokenizer = ""
+    run_distributed(_fit, 2, cfg)
+    model, _ = load_full_model(tmp_path / "run")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export(tmp_path / "run", tmp_path / "hf")[0])
+    torch.testing.assert_close(model.model.embed_tokens.embed_scale, exported.model.embed_tokens.embed_scale)
+    ids = torch.randint(0, tok.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, exported.eval()(ids).logits, atol=1e-5, rtol=0)

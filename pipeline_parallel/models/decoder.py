@@ -321,13 +321,14 @@ def _meta_buffers(model: nn.Module) -> list[str]:
     return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
 
 
-def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weights: bool = True) -> None:
     """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
 
     With every parameter on meta (see `weights_on_meta`), all are made: our own Llama initialises
     each parameter from (seed, name) and Hugging Face models each module with their own
     `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
-    input/output embeddings stay one matrix.
+    input/output embeddings stay one matrix. With `init_weights=False` (a checkpoint will fill the
+    weights) only the modules holding a buffer on meta are initialised, for that buffer.
     Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
     """
     inner = model.model
@@ -342,7 +343,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0) -> None:
             for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
                 if model.get_buffer(name).is_floating_point():
                     model.get_buffer(name).fill_(float("nan"))
-            if hasattr(model, "init_weights") and not _is_hf_config(model.config):
+            if not init_weights:  # only what computes a buffer no checkpoint holds, such as Gemma's scale
+                owners = {name.rpartition(".")[0] for name in buffers}
+                for name, module in model.named_modules():
+                    if name in owners and hasattr(model, "_init_weights"):
+                        model._init_weights(module)
+            elif hasattr(model, "init_weights") and not _is_hf_config(model.config):
                 model.init_weights(seed)
             else:  # each module from (seed, its name): the layers differ, whatever the split
                 skip = (inner.rotary_emb, model.lm_head if tied else None)  # a tied head is the embedding
