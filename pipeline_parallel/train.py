@@ -415,12 +415,16 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
+    joins = not dist.is_initialized()
     try:
         run(cfg)
     except (ConfigError, TrainingDiverged) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
+        if joins and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -211,6 +211,20 @@ def test_ranks_started_with_different_settings_fail_together(tmp_path, monkeypat
     assert stderr.getvalue().startswith("error: rank 1: config file"), stderr.getvalue()
 
 
+def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
+    dist.destroy_process_group()  # main joins a group itself, as under torchrun
+    os.environ["MASTER_PORT"] = str(port)
+    code, _ = _main_with_rank_settings(rank, world_size, run_dir)
+    return code, dist.is_initialized()
+
+
+def test_main_leaves_the_group_it_joined_when_it_fails(tmp_path):
+    """A group left to the interpreter's exit made some failed launches abort (SIGABRT, exit 134)
+    instead of exiting with the error's code."""
+    for code, still_joined in run_distributed(_main_in_a_group_of_its_own, 2, str(tmp_path), _free_port(), timeout=30):
+        assert code == 2 and not still_joined
+
+
 def _start(rank, world_size, cfg):
     with pytest.raises(ConfigError) as error:
         Trainer(cfg)
