@@ -353,8 +353,7 @@ def validate(cfg: Config, world_size: int) -> None:
         build_schedule(p.schedule, world_size, p.num_microbatches)
     if cfg.hf_model:
         check(Path(cfg.hf_model).is_dir(), f"hf_model {cfg.hf_model} is not a directory")
-        named = [f"model.{f.name}" for f in fields(ModelConfig)
-                 if f.name != "preset" and getattr(cfg.model, f.name) is not None]
+        named = [f"model.{f.name}" for f in fields(ModelConfig) if getattr(cfg.model, f.name) != f.default]
         check(not named, f"{', '.join(named)} cannot be set with hf_model: its shape comes from its config.json")
     else:
         seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings

@@ -120,6 +120,15 @@ def test_config_errors(tmp_path, corpus):
                                 ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)")):
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
+    # With hf_model the shape is the model's own: a preset, like any model.* key, would be ignored.
+    import transformers
+
+    transformers.LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "hf")
+    from_hf = with_overrides(load_config(), hf_model=str(tmp_path / "hf"))
+    validate(from_hf, 2)
+    for key, value in (("model.preset", "small"), ("model.hidden_size", 64)):
+        with pytest.raises(ConfigError, match=rf"{key} cannot be set with hf_model: its shape comes from its config"):
+            validate(with_overrides(from_hf, **{key: value}), 2)
 
 
 def test_config_file_overrides_and_round_trip(tmp_path):
