@@ -232,10 +232,12 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
         extra = read_extra(path)
-        saved = {k: extra["model_config"].get(k) for k in ARCH_KEYS}
-        current = {k: self.model_config.get(k) for k in ARCH_KEYS}
-        if saved != current:
-            raise ConfigError(f"{path} holds a different model ({saved}) than configured ({current})")
+        saved, current = extra["model_config"], self.model_config
+        differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now"
+                  for key in ARCH_KEYS if saved.get(key) != current.get(key)]
+        if differ:
+            raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
+                              "model settings it was trained with, or start a new run_dir")
         if extra.get("tokenizer", self.data.tokenizer.fingerprint()) != self.data.tokenizer.fingerprint():
             raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                               "the tokenizer it was trained with, or start a new run_dir")

@@ -309,6 +309,12 @@ def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(runs, corp
     assert "step 6 already reaches train.max_steps 4: nothing to train" in capsys.readouterr().out
 
 
+def test_resume_with_another_model_names_what_differs(runs, corpus):
+    with pytest.raises(ConfigError, match=r"step_000006 holds another model than configured \(hidden_size 32 there, "
+                       r"48 now\): resume with the model settings it was trained with, or start a new run_dir"):
+        Trainer(make_cfg(runs[0], corpus, **{"model.hidden_size": 48}))
+
+
 def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(runs, corpus, tmp_path):
     whole = runs[0]
     text = corpus[0].read_text()
