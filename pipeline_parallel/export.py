@@ -176,16 +176,18 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     check_replaceable(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")  # a name no one else uses
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **_EXPORT_MARK})
     config = type(model.config).from_dict(model.config.to_dict())
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
     if source and _keeps_special_tokens(config, Path(source)):  # its sampling defaults and stop tokens
         shutil.copyfile(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
+    # Written last, the weights name every file of the export: a later export replaces only those.
+    files = sorted([entry.name for entry in tmp.iterdir()] + [WEIGHTS_FILE])
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **_EXPORT_MARK, "files": json.dumps(files)})
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -214,24 +216,33 @@ def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
                               "exporting would replace it, so give another directory")
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file; give a directory to export into")
-    entries = list(out_dir.iterdir())
-    if entries and not (_is_export(out_dir) and all(entry.is_file() for entry in entries)):
+    entries = sorted(entry.name for entry in out_dir.iterdir())
+    if not entries:
+        return
+    written = _exported_files(out_dir)
+    if written is None or not all((out_dir / name).is_file() for name in entries):
         raise FileExistsError(
-            f"{out_dir} exists and is not an earlier export (it holds "
-            f"{', '.join(sorted(e.name for e in entries)[:5])}{', ...' if len(entries) > 5 else ''}); exporting "
-            "replaces the whole directory, so give a new or empty one")
+            f"{out_dir} exists and is not an earlier export (it holds {', '.join(entries[:5])}"
+            f"{', ...' if len(entries) > 5 else ''}); exporting replaces the whole directory, so give a new or empty one")
+    added = [name for name in entries if name not in written]
+    if added:
+        raise FileExistsError(f"{out_dir} is an earlier export, but it also holds {', '.join(added)}, which no export "
+                              "wrote and exporting would delete: move them out, or export into another directory")
 
 
-def _is_export(out_dir: Path) -> bool:
-    """Whether `out_dir` was written by `save_hf_model` (its weights carry our mark), not some other model."""
+def _exported_files(out_dir: Path) -> set[str] | None:
+    """The files `save_hf_model` wrote into `out_dir` (its weights carry our mark and name them), or
+    None if it is not an export. An export made before the weights named the files: all it holds."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(out_dir / WEIGHTS_FILE), "pt") as f:
             metadata = f.metadata() or {}
     except Exception:  # missing or not safetensors
-        return False
-    return all(metadata.get(key) == value for key, value in _EXPORT_MARK.items())
+        return None
+    if any(metadata.get(key) != value for key, value in _EXPORT_MARK.items()):
+        return None
+    return set(json.loads(metadata["files"])) if "files" in metadata else {e.name for e in out_dir.iterdir()}
 
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):

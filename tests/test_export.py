@@ -130,6 +130,12 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     (tmp_path / "hf.tmp" / "todo.txt").write_text("mine")
     out, model, _ = export(run_dir, tmp_path / "hf")
     assert export(run_dir, out)[0] == out  # an earlier export is replaced
+    (out / "notes.md").write_text("mine")  # but not with files of the user's that it would delete
+    with pytest.raises(FileExistsError, match=r"is an earlier export, but it also holds notes.md, which no export wrote"):
+        export(run_dir, out)
+    assert (out / "notes.md").read_text() == "mine" and (out / "config.json").is_file()
+    (out / "notes.md").unlink()
+    assert export(run_dir, out)[0] == out
     assert (tmp_path / "hf.tmp" / "todo.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary left"
     assert (out / "config.json").is_file()
