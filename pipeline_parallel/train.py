@@ -386,7 +386,12 @@ class Trainer:
         tqdm.write(f"checkpoint: {self.checkpoint}")
         if not cfg.export.at_end:
             return
-        out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
+        try:
+            out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
+        except FileExistsError as e:  # checked at start, but files may have come since: the training stands
+            tqdm.write(f"export skipped: {e}. Export the checkpoint with: python -m pipeline_parallel.export "
+                       f"{self.checkpoint} --out DIR")
+            return
         tqdm.write(f"Hugging Face model: {out}")
         if cfg.export.sample_tokens:
             text = sample(model, tok, cfg.export.prompt, cfg.export.sample_tokens, cfg.export.temperature,

@@ -283,3 +283,16 @@ def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: 
     ids = torch.randint(0, tok.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, exported.eval()(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(corpus, tmp_path, capsys):  # noqa: F811
+    cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
+                                                 "export.sample_tokens": 0})
+    trainer = Trainer(cfg)  # checks run_dir/export at start: none yet
+    (tmp_path / "run" / "export").mkdir()
+    (tmp_path / "run" / "export" / "notes.md").write_text("mine")
+    trainer.fit()  # trains and saves; the export says why it did not run, instead of a traceback at the end
+    out = capsys.readouterr().out
+    assert "export skipped: " in out and "python -m pipeline_parallel.export " in out
+    assert (tmp_path / "run" / "export" / "notes.md").read_text() == "mine"
+    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
