@@ -261,6 +261,8 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
     assert not torch.equal(exported.model.layers[0].self_attn.q_proj.bias, original.model.layers[0].self_attn.q_proj.bias)
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="Gemma trains on transformers 5, whose embedding module scales")
 def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: F811
     """Gemma scales its embeddings by a buffer no checkpoint holds: a run loaded for sampling or
     export computes it, so its logits are those of the export loaded by transformers."""
