@@ -102,9 +102,12 @@ class _WeightPass:
     weight, a norm's scale) are found by walking the graph. While the input's gradient is
     computed, a hook keeps the gradient arriving at each such node; `run` later starts autograd
     from those nodes towards their parameters only, one group of nodes and parameters at a time,
-    so no activation gradient is computed twice. If the output does not depend on the input, or
-    the graph holds reentrant activation checkpointing (which autograd cannot run for chosen
-    inputs only), the first pass is simply the full backward and the second has nothing to do.
+    so no activation gradient is computed twice. The first pass is simply the full backward, and
+    the second has nothing to do, if the output does not depend on the input, if the graph holds
+    reentrant activation checkpointing (which autograd cannot run for chosen inputs only), or if
+    a parameter is used twice along one path (a weight shared by two layers of the stage): from
+    its later use, autograd would run the activation gradients back to the earlier one again,
+    and their hooks with them. Uses side by side, such as the experts of a fused MoE weight, split.
     """
 
     def __init__(self, out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]):
@@ -125,6 +128,8 @@ class _WeightPass:
                 self.groups.remove(other)
                 nodes, group = nodes | other[0], group + other[1]
             self.groups.append((nodes, group))
+        if any(_one_reaches_another(nodes, consumers) for nodes, _ in self.groups):
+            self.groups = []
         self.kept = {node: None for nodes, _ in self.groups for node in nodes}
 
     def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
@@ -155,15 +160,9 @@ class _WeightPass:
                         grads.append(grad)
             if not edges:
                 continue  # no gradient reached these parameters
-            # A node of the group reached again from another of its nodes must see only its own kept
-            # gradient, not that plus a second copy flowing down from the other node.
-            clamp = len(nodes) > 1
-            handles = [node.register_prehook(lambda _, kept=self.kept[node]: kept) for node in nodes] if clamp else []
-            try:  # through the parameters' own accumulators: .grad adds up and their hooks fire as usual
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=param_edges)
-            finally:
-                for handle in handles:
-                    handle.remove()
+            # Through the parameters' own accumulators: .grad adds up and their hooks fire as usual. No
+            # node of the group leads to another, so each parameter gets each use's gradient once.
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=param_edges)
         self.kept, self.groups = {}, []
 
 
@@ -181,6 +180,19 @@ def _consumers(root) -> dict:
                 stack.append(child)
             consumers[child].append(node)
     return consumers
+
+
+def _one_reaches_another(nodes: set, consumers: dict) -> bool:
+    """Whether the output of one of `nodes` flows into another of them (one weight used twice in a row)."""
+    stack, seen = [c for node in nodes for c in consumers.get(node, ())], set()
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(consumers.get(node, ()))
+    return False
 
 
 def _reachable(starts: list, consumers: dict, stop: set | None = None) -> set:

@@ -61,34 +61,65 @@ def test_first_stage_has_no_input_gradient_to_split():
         stage.backward_input(0, torch.zeros(2, 8, 32))
 
 
-def test_split_backward_with_a_weight_used_twice_and_a_bias():
-    """One weight at two places on the activation path (tied layers): its gradient is counted once per use."""
+def _split_or_whole(out_of, params, split):
+    """(input grad, parameter grads, .grad set before the weight pass?, hook calls) of one backward
+    of `out_of(x)`, whole or split by `_WeightPass`; a hook on the first use's output counts its calls."""
     from pipeline_parallel.stage import _WeightPass
 
     torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(6, 6))
-    bias = torch.nn.Parameter(torch.randn(6))
-    scale = torch.nn.Parameter(torch.randn(6))
     x0, grad_out = torch.randn(3, 6), torch.randn(3, 6)
+    for p in params:
+        p.grad = None
+    calls = []
+    x = x0.clone().requires_grad_()
+    out = out_of(x, lambda t: t.register_hook(lambda g: calls.append(g.norm().item())))
+    if not split:
+        out.backward(grad_out)
+        return x.grad, [p.grad.clone() for p in params], True, calls
+    weight_pass = _WeightPass(out, x, params)
+    grad_input = weight_pass.input_grad(out, x, grad_out)
+    early = any(p.grad is not None for p in params)
+    weight_pass.run()
+    return grad_input, [p.grad.clone() for p in params], early, calls
 
-    def run(split):
-        for p in (weight, bias, scale):
-            p.grad = None
-        x = x0.clone().requires_grad_()
-        out = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, weight, bias)), weight) * scale
-        if not split:
-            out.backward(grad_out)
-            return x.grad, [p.grad.clone() for p in (weight, bias, scale)]
-        weight_pass = _WeightPass(out, x, [weight, bias, scale])
-        grad_input = weight_pass.input_grad(out, x, grad_out)
-        assert all(p.grad is None for p in (weight, bias, scale))
-        weight_pass.run()
-        return grad_input, [p.grad.clone() for p in (weight, bias, scale)]
 
-    (full_input, full_weights), (split_input, split_weights) = run(False), run(True)
-    torch.testing.assert_close(split_input, full_input)
-    for a, b in zip(split_weights, full_weights):
+def test_split_backward_with_a_weight_used_twice_in_a_row_runs_whole():
+    """One weight at two places along the path (layers sharing it): a weight pass from its later use
+    would run the activation gradients back to the earlier one again, and their hooks: not split."""
+    torch.manual_seed(0)
+    weight, bias, scale = (torch.nn.Parameter(torch.randn(*shape)) for shape in ((6, 6), (6,), (6,)))
+
+    def out_of(x, hook):
+        hidden = torch.tanh(torch.nn.functional.linear(x, weight, bias))
+        hook(hidden)
+        return torch.nn.functional.linear(hidden, weight) * scale
+
+    whole = _split_or_whole(out_of, [weight, bias, scale], split=False)
+    split = _split_or_whole(out_of, [weight, bias, scale], split=True)
+    torch.testing.assert_close(split[0], whole[0])
+    for a, b in zip(split[1], whole[1]):
         torch.testing.assert_close(a, b)
+    assert split[2], "the whole backward ran in the first pass"
+    assert split[3] == whole[3] and len(whole[3]) == 1, "the hook between the uses ran once, with the full gradient"
+
+
+def test_split_backward_with_a_weight_used_side_by_side_splits():
+    """One weight used in two branches that do not feed each other (as the experts of a fused MoE
+    weight): split, each use's gradient counted once."""
+    torch.manual_seed(0)
+    weight, scale = torch.nn.Parameter(torch.randn(6, 6)), torch.nn.Parameter(torch.randn(6))
+
+    def out_of(x, hook):
+        hook(x * 1.0)
+        return torch.nn.functional.linear(torch.tanh(x), weight) * scale + torch.nn.functional.linear(x * x, weight)
+
+    whole = _split_or_whole(out_of, [weight, scale], split=False)
+    split = _split_or_whole(out_of, [weight, scale], split=True)
+    torch.testing.assert_close(split[0], whole[0])
+    for a, b in zip(split[1], whole[1]):
+        torch.testing.assert_close(a, b)
+    assert not split[2], "no weight gradient before the weight pass"
+    assert split[3] == whole[3]
 
 
 def test_split_backward_accumulates_through_the_parameters_hooks():
