@@ -220,6 +220,8 @@ def test_the_chosen_split_is_the_fastest_under_its_cost_model():
                    for k in range(9)]
     chosen = build_schedule("gpipe", 2, 8, stage_costs=[5.0, 5.5])
     assert makespan(simulate(chosen, 2, _cost([5.0, 5.5]))) < min(gpipe_times) * 0.99
+    # Only the ratios count: costs near the float range's end plan as their scaled-down equals.
+    assert build_schedule("1f1b", 2, 4, stage_costs=[1e308, 1.1e308]) == build_schedule("1f1b", 2, 4, stage_costs=[1, 1.1])
 
 
 def test_split_where_waited_gives_the_first_stage_its_first_gradient_sooner():
@@ -301,6 +303,14 @@ def test_validator_checks_split_backwards(backward, error):
     compute[1] += backward
     with pytest.raises(ScheduleError, match=error):
         validate(_lowered(compute), 2, 2)
+
+
+def test_validator_refuses_a_split_backward_on_the_first_stage():
+    """The first stage has no input gradient to send: the runtime cannot run its backward as I and W."""
+    compute = one_f_one_b(2, 3)
+    compute[0] = [a for b in compute[0] for a in ([I(0, b.mb), W(0, b.mb)] if b.kind == Kind.B else [b])]
+    with pytest.raises(ScheduleError, match=r"rank 0 must run F and B of stage 0, microbatch 0; it runs \['F', 'I', 'W'\]"):
+        validate(_lowered(compute), 2, 3)
 
 
 def test_validator_catches_duplicate_action():

@@ -53,9 +53,10 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
         for stage in stages:
             for mb in range(num_microbatches):
                 got = kinds[(stage, mb)]
-                ok = got == {Kind.F} if forward_only else got in ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W})
+                split = () if stage == 0 else ({Kind.F, Kind.I, Kind.W},)  # the first stage has no input gradient
+                ok = got == {Kind.F} if forward_only else got in ({Kind.F, Kind.B}, *split)
                 if not ok:
-                    need = "F" if forward_only else "F and B (or I and W)"
+                    need = "F" if forward_only else "F and B" + ("" if stage == 0 else " (or I and W)")
                     raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
                                         f"it runs {sorted(k.value for k in got) or 'nothing'}")
         duplicates = {a for a, count in Counter(actions).items() if count > 1 and a.kind.is_comm}
