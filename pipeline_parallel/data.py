@@ -30,12 +30,19 @@ Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
 
 def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
     """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
-    named in `skip_dirs` and the directory `skip` skipped."""
+    named in `skip_dirs` and the directory `skip` skipped. Linked directories are followed, each
+    directory read once (a link back up the tree would loop)."""
     found = []
     skip = skip.resolve() if skip is not None else None
-    for parent, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip_dirs  # prune early
-                   and (skip is None or Path(parent, d).resolve() != skip)]
+    visited = {root.resolve()}
+    for parent, dirs, files in os.walk(root, followlinks=True):
+        kept = []
+        for d in sorted(dirs):  # pruned here, before os.walk goes in, in an order that does not vary
+            real = Path(parent, d).resolve()
+            if not d.startswith(".") and d not in skip_dirs and real != skip and real not in visited:
+                visited.add(real)
+                kept.append(d)
+        dirs[:] = kept
         found += [Path(parent, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
     return sorted(found, key=lambda f: f.relative_to(root).as_posix())
 
@@ -81,9 +88,12 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | 
 
 
 def _field(record, field: str, where: str) -> str:
-    if not isinstance(record, dict) or field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{where}: no field {field!r}; set text_field to one of {keys}")
+    if not isinstance(record, dict):
+        shown = json.dumps(record)
+        raise ValueError(f"{where}: {shown[:60]}{'...' if len(shown) > 60 else ''} is not an object with a {field!r} "
+                         f"field; each record must be one, such as {json.dumps({field: '...'})}")
+    if field not in record:
+        raise ValueError(f"{where}: no field {field!r}; set text_field to one of {sorted(record)}")
     text = record[field]
     if text is not None and not isinstance(text, str):
         raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, not text")
@@ -91,7 +101,7 @@ def _field(record, field: str, where: str) -> str:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # as text files: one odd byte cannot stop a run
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:

@@ -59,6 +59,13 @@ def test_jsonl_with_custom_field(tmp_path):
     assert documents(D.expand_sources(path), text_field="body") == ["first", "second"]
     with pytest.raises(ValueError, match="set text_field to one of"):
         documents(D.expand_sources(path))  # default field "text" is missing
+    path.write_text('{"text": "caf\xe9"}\n"just a string"\n'.encode("latin-1").decode("utf-8", "surrogateescape"),
+                    errors="surrogateescape")  # a latin-1 byte, as in text files: replaced, not fatal
+    with pytest.raises(ValueError, match=r'd.jsonl:2: "just a string" is not an object with a \'text\' field; each '
+                                         r'record must be one, such as \{"text": "..."\}'):
+        documents(D.expand_sources(path))
+    path.write_text('{"text": "caf\xe9"}\n'.encode("latin-1").decode("utf-8", "surrogateescape"), errors="surrogateescape")
+    assert documents(D.expand_sources(path)) == ["caf\ufffd"]
 
 
 def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
@@ -71,6 +78,11 @@ def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
     (tmp_path / ".git" / "x.txt").write_text("no")
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
     assert documents(D.expand_sources(tmp_path)) == ["A", "C", "B"]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "d.txt").write_text("D")
+    (tmp_path / "sub" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "sub" / "loop").symlink_to(tmp_path, target_is_directory=True)  # read once, not forever
+    assert documents(D.expand_sources(tmp_path / "sub")) == ["B", "D", "A", "C"]
 
 
 def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
