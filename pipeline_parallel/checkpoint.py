@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -234,7 +235,17 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
 
 def _read_meta(path: Path) -> dict:
     """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`."""
-    return json.loads((path / META).read_text())
+    try:
+        return json.loads((path / META).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _damaged(path, f"its {META} cannot be read: {e}") from None
+
+
+def _damaged(path: Path, why: str) -> ValueError:
+    """The error for a checkpoint that cannot be used as it was saved, naming an earlier one to use."""
+    earlier = [p for p in _step_dirs(path.parent) if p != path and _is_complete(p)]
+    instead = f"use an earlier one, such as {max(earlier, key=_save_order)}" if earlier else "no earlier one is left"
+    return ValueError(f"checkpoint {path} is damaged ({why}); {instead}")
 
 
 def _save_order(path: Path) -> tuple[int, int]:
@@ -324,9 +335,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     the pointer is missing or names no complete checkpoint, the most recently saved complete one.
     """
     ckpt_dir = Path(run_dir) / CHECKPOINTS
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file() and _is_complete(path := ckpt_dir / pointer.read_text().strip()):
-        return path
+    try:
+        named = ckpt_dir / (ckpt_dir / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):  # no pointer (or no readable one): the newest complete checkpoint
+        named = None
+    if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
+        if not _is_complete(named):  # published whole, so a part missing now is damage, not a crash mid-save
+            missing = [name for name in (".metadata", META) if not (named / name).is_file()]
+            raise _damaged(named, f"it lacks {' and '.join(missing)}")
+        return named
     complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
     return max(complete, key=_save_order) if complete else None
 
@@ -373,15 +390,25 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
 
     reader = SafeFileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
+    try:
+        saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
+    except UnsafeCheckpointError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        raise _damaged(path, f"its .metadata cannot be read: {type(e).__name__}: {e}") from None
     wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
     missing = [k for k in wanted if k not in saved]
     if not _all_ok(not missing, group):  # fail on every rank rather than hang the others
         raise ValueError(f"{path} lacks {len(missing)} entries rank {rank} needs, e.g. "
                          f"{missing[:3]}; was it saved from a different model or config?"
                          if missing else f"{path} lacks entries another rank needs (see its error)")
-    with _quiet_if_single_process():
-        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
+    try:
+        with _quiet_if_single_process():
+            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
+    except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+        first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
+        first = first.splitlines()[0][:300]
+        raise _damaged(path, f"its tensors cannot be read, {first}; or it was saved from another model") from None
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

@@ -209,7 +209,9 @@ class Trainer:
 
     def _checkpoint_to_resume(self) -> Path | None:
         """The checkpoint `resume` asks for (None: start from step 0)."""
-        cfg, latest = self.cfg, latest_checkpoint(self.run_dir)
+        cfg = self.cfg
+        with as_config_error("resume"):  # a damaged newest checkpoint is named, not skipped
+            latest = latest_checkpoint(self.run_dir)
         if cfg.resume == "latest" and latest is None:
             raise ConfigError(f"resume = latest, but {self.run_dir / 'checkpoints'} holds no checkpoint")
         if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
@@ -231,7 +233,8 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
-        extra = read_extra(path)
+        with as_config_error("resume"):
+            extra = read_extra(path)
         saved, current = extra["model_config"], self.model_config
         differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now"
                   for key in ARCH_KEYS if saved.get(key) != current.get(key)]
@@ -247,7 +250,8 @@ class Trainer:
                               "on new data, start from its export with --hf-model)")
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
-        load_checkpoint(path, self.pipe.model, self.optimizer)
+        with as_config_error("resume"):
+            load_checkpoint(path, self.pipe.model, self.optimizer)
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")

@@ -344,3 +344,47 @@ def test_clear_errors(tmp_path):
     bigger = LlamaForCausalLM(LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 5}))
     with pytest.raises(ValueError, match="model.model.layers.4"):
         load_checkpoint(path, bigger, None)
+
+
+def _damage_and_load(rank, world_size, run_dir, damage):
+    """A checkpoint saved on these ranks, `damage(step_dir, rank)` done to the newest, then loaded."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    for step in (1, 2):
+        save_checkpoint(run_dir, step, model, opt, {"step": step}, keep_last=3)
+    torch.distributed.barrier()
+    damage(Path(run_dir) / "checkpoints" / "step_000002", rank)
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(latest_checkpoint(run_dir), model, opt)
+    except ValueError as e:
+        return str(e)
+
+
+def _truncate_own_shard(step_dir, rank):
+    if rank == 1:
+        os.truncate(step_dir / "__1_0.distcp", 100)
+
+
+def test_a_damaged_shard_fails_every_rank_with_the_checkpoint_named(tmp_path):
+    messages = run_distributed(_damage_and_load, 2, str(tmp_path), _truncate_own_shard)
+    step_dir, earlier = tmp_path / "checkpoints" / "step_000002", tmp_path / "checkpoints" / "step_000001"
+    for message in messages:
+        assert message.startswith(f"checkpoint {step_dir} is damaged (its tensors cannot be read, ") and \
+            message.endswith(f"; use an earlier one, such as {earlier}"), message
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda d: os.truncate(d / ".metadata", 50), r"its .metadata cannot be read: UnpicklingError"),
+    (lambda d: os.truncate(d / "meta.json", 10), r"its meta.json cannot be read: Unterminated string"),
+    (lambda d: (d / "meta.json").unlink(), r"it lacks meta.json"),  # was skipped: the run went on from step 1
+])
+def test_a_damaged_newest_checkpoint_is_named_not_skipped(tmp_path, damage, why):
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=3)
+    damage(tmp_path / "checkpoints" / "step_000002")
+    with pytest.raises(ValueError, match=rf"checkpoint .*step_000002 is damaged \({why}.*\); use an earlier one, "
+                                         rf"such as .*step_000001$"):
+        load_checkpoint(latest_checkpoint(tmp_path), model, opt)

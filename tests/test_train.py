@@ -309,6 +309,16 @@ def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(runs, corp
     assert "step 6 already reaches train.max_steps 4: nothing to train" in capsys.readouterr().out
 
 
+def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
+    cfg = make_cfg(tmp_path, corpus, **{"train.max_steps": 2, "checkpoint.interval": 1, "checkpoint.keep_last": 2,
+                                        "eval.interval": 0, "pipeline.num_microbatches": 1})
+    run(cfg)
+    (tmp_path / "checkpoints" / "step_000002" / "meta.json").unlink()
+    with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); use "
+                                          r"an earlier one, such as .*step_000001"):
+        Trainer(with_overrides(cfg, **{"train.max_steps": 3}))
+
+
 def test_resume_with_another_model_names_what_differs(runs, corpus):
     with pytest.raises(ConfigError, match=r"step_000006 holds another model than configured \(hidden_size 32 there, "
                        r"48 now\): resume with the model settings it was trained with, or start a new run_dir"):
