@@ -213,8 +213,13 @@ def _commit(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _missing_parts(path: Path) -> list[str]:
+    """The files of a complete checkpoint that `path` lacks (none: it is complete)."""
+    return [name for name in (".metadata", META) if not (path / name).is_file()]
+
+
 def _is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / META).is_file()
+    return not _missing_parts(path)
 
 
 def _step_dirs(ckpt_dir: Path) -> list[Path]:
@@ -340,8 +345,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     except (OSError, UnicodeDecodeError):  # no pointer (or no readable one): the newest complete checkpoint
         named = None
     if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
-        if not _is_complete(named):  # published whole, so a part missing now is damage, not a crash mid-save
-            missing = [name for name in (".metadata", META) if not (named / name).is_file()]
+        missing = _missing_parts(named)
+        if missing:  # published whole, so a part missing now is damage, not a crash mid-save
             raise _damaged(named, f"it lacks {' and '.join(missing)}")
         return named
     complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]

@@ -34,7 +34,8 @@ def build_schedule(
             raise ValueError(f"stage_costs has {len(stage_costs)} entries but there are {num_stages} stages; "
                              "give one relative cost per stage")
         stage_costs = [check_positive(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
-        stage_costs = [cost / max(stage_costs) for cost in stage_costs]  # relative: large ones must not overflow
+        largest = max(stage_costs)
+        stage_costs = [cost / largest for cost in stage_costs]  # relative: large ones must not overflow
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
