@@ -23,6 +23,15 @@ from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import Trainer
 
 
+def hf_cfg(run_dir, corpus, hf_dir, **overrides):  # noqa: F811
+    """`make_cfg` for a run from the Hugging Face model in `hf_dir`: no model.* keys, its config.json gives the shape."""
+    cfg = make_cfg(run_dir, corpus, hf_model=str(hf_dir), **overrides)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        setattr(cfg.model, key, None)
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus):  # noqa: F811
     """A 2-rank run of 4 steps with tied embeddings (so export must drop and re-tie the LM head)."""
@@ -181,10 +190,7 @@ def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus,
     config = transformers.Gemma2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
-    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(tmp_path / "gemma2"))
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings"):
-        setattr(cfg.model, key, None)
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "gemma2")
     with pytest.raises(ConfigError, match=r"hf_model: Gemma2ForCausalLM \(model_type 'gemma2'\) is not supported"):
         Trainer(cfg)
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
@@ -202,10 +208,7 @@ def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_da
     with safe_open(str(tmp_path / "mixtral" / "model.safetensors"), framework="pt") as f:
         if set(f.keys()) == set(model.state_dict()):
             pytest.skip(f"transformers {transformers.__version__} saves Mixtral under its own names")
-    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(tmp_path / "mixtral"))
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings"):
-        setattr(cfg.model, key, None)
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "mixtral")
     with pytest.raises(ConfigError, match=r"hf_model: .*mixtral lacks \d+ of the MixtralForCausalLM weights, e.g. "
                                           r".*converts while loading"):
         Trainer(cfg)
@@ -229,11 +232,8 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
     hf_dir = save_hf_model(original, tok, tmp_path / "qwen")
     transformers.GenerationConfig(bos_token_id=5, eos_token_id=[tok.eos_id, 9], temperature=0.6,
                                   do_sample=True).save_pretrained(hf_dir)
-    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(hf_dir), **{"train.max_steps": 2, "export.at_end": True,
+    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 2, "export.at_end": True,
                                                                        "export.sample_tokens": 0})
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings"):
-        setattr(cfg.model, key, None)
     cfg.data.tokenizer = ""  # the model directory's own tokenizer
     first_loss = run_distributed(_first_loss, 2, cfg)[0]
 
@@ -273,10 +273,7 @@ def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: 
                                       pad_token_id=0)
     torch.manual_seed(0)
     hf_dir = save_hf_model(transformers.GemmaForCausalLM(config), tok, tmp_path / "gemma")
-    cfg = make_cfg(tmp_path / "run", corpus, hf_model=str(hf_dir), **{"train.max_steps": 1, "eval.interval": 0})
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings"):
-        setattr(cfg.model, key, None)
+    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
     cfg.data.tokenizer = ""
     run_distributed(_fit, 2, cfg)
     model, _ = load_full_model(tmp_path / "run")
