@@ -202,9 +202,13 @@ def _convert(key: str, value, from_text: bool):
     except (TypeError, ValueError):
         name = "a list" if typing.get_origin(kind) is list else kind.__name__
         raise ConfigError(f"config key {key!r} must be {name}, got {value!r}") from None
-    if kind is float and not math.isfinite(converted):
-        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+    if kind is float and not abs(converted) <= _FLOAT32_MAX:  # also false for nan
+        raise ConfigError(f"config key {key!r} must be a finite number of float32's range (|x| <= 3.4e38, "
+                          f"what the optimizer and sampler compute in), got {value!r}")
     return converted
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _exact(kind: type, value):

@@ -93,12 +93,13 @@ def test_config_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="must be int"):
         parse_args(["--train.batch_size", "eight"])
     # An infinite lr or eps passed the range checks: the first turned the weights to NaN in the first update,
-    # the second silently froze training.
-    for args in (["--optim.lr", "inf"], ["--optim.eps", "-inf"], ["--export.temperature", "1e400"]):
-        with pytest.raises(ConfigError, match=rf"'{args[0][2:]}' must be a finite number, got '{args[1]}'"):
+    # the second silently froze training. An lr beyond float32 failed on every rank in the optimizer's first step.
+    for args in (["--optim.lr", "inf"], ["--optim.eps", "-inf"], ["--export.temperature", "1e400"],
+                 ["--optim.lr", "1e39"], ["--optim.weight_decay", "nan"]):
+        with pytest.raises(ConfigError, match=rf"'{args[0][2:]}' must be a finite number of float32's range .*, got '{args[1]}'"):
             parse_args(args)
     toml.write_text("[optim]\nlr = inf\n")
-    with pytest.raises(ConfigError, match="'optim.lr' must be a finite number, got inf"):
+    with pytest.raises(ConfigError, match="'optim.lr' must be a finite number of float32's range .*, got inf"):
         load_config(toml)
     cfg = make_cfg(tmp_path, corpus)
     validate(cfg, 4)
