@@ -9,6 +9,7 @@ import difflib
 import json
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -265,35 +266,55 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict[str, str]
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """`--config FILE`, then `--section.key VALUE` overrides (`--run-dir`, `--hf-model`, `--resume [PATH]`...)."""
-    parser = argparse.ArgumentParser(
-        prog="pipeline_parallel.train", allow_abbrev=False,
-        description="Pipeline-parallel pretraining of a Llama-style model; launch one process per stage with "
-                    "torchrun. Every config key can be overridden: --optim.lr 1e-3 --train.max_steps 50 ...")
-    parser.add_argument("--config", help="TOML config file (see configs/)")
-    parser.add_argument("--resume", nargs="?", const="latest", default=None,
-                        help="continue from the latest checkpoint (which must exist), or from the one given")
-    args, rest = parser.parse_known_args(argv)
-    overrides: dict[str, str] = {}
-    while rest:
-        arg = rest.pop(0)
+    """`--config FILE`, then `--section.key VALUE` overrides (`--run-dir`, `--hf-model`, `--resume [PATH]`...).
+
+    A key takes the next argument as its value whatever it looks like, so a prompt such as "-h" is text;
+    only a boolean key, or --resume (then "latest"), may stand bare before the next --key or the end."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, overrides = None, {}
+    while argv:
+        arg = argv.pop(0)
+        if arg in ("-h", "--help"):
+            _usage().print_help()
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
-        if key not in KEYS:
+        if key != "config" and key not in KEYS:
             raise _unknown(key, "the command line")
         if not eq:
-            if _kind(key)[0] is bool and (not rest or rest[0].startswith("--")):
-                value = "true"  # a bare boolean flag
-            elif rest:
-                value = rest.pop(0)
+            bare = not argv or argv[0].startswith("--")
+            if bare and key == "resume":
+                value = "latest"
+            elif bare and key != "config" and _kind(key)[0] is bool:
+                value = "true"
+            elif argv:
+                value = argv.pop(0)
             else:
-                raise ConfigError(f"--{key} needs a value")
-        overrides[key] = value
-    if args.resume is not None:
-        overrides["resume"] = args.resume
-    return load_config(args.config, overrides)
+                raise ConfigError(f"--{key.replace('_', '-')} needs a value")
+        if key == "config":
+            path = value
+        else:
+            overrides[key] = value
+    return load_config(path, overrides)
+
+
+def _usage() -> argparse.ArgumentParser:
+    """The --help text: the two special options, then every key with its default."""
+    defaults = Config()
+    keys = "\n".join(f"  --{key} {_get(defaults, key)!r}" if _get(defaults, key) is not None else f"  --{key} (unset)"
+                     for key in KEYS)
+    parser = argparse.ArgumentParser(
+        prog="pipeline_parallel.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pipeline-parallel pretraining of a Llama-style model; launch one process per stage with\n"
+                    "torchrun. Every config key can be overridden: --optim.lr 1e-3 --train.max_steps 50 ...",
+        epilog="config keys and their defaults (--section.key VALUE, or key = VALUE under [section] in a --config "
+               f"file; README.md says what each does):\n{keys}")
+    parser.add_argument("--config", help="TOML config file (see configs/)")
+    parser.add_argument("--resume", nargs="?", const="latest",
+                        help="continue from the latest checkpoint (which must exist), or from the one given")
+    return parser
 
 
 def num_layers(cfg: Config) -> int:

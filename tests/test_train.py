@@ -146,6 +146,18 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     assert load_config(saved).export.prompt == "# \U0001F40D\x7f def"  # DEL, too, which TOML allows escaped only
     (tmp_path / "again.toml").write_text(to_toml(cfg))
     assert load_config(tmp_path / "again.toml") == cfg
+    # A key's value is the next argument whatever it looks like: "-h" used to print the help instead.
+    cfg = parse_args(["--export.prompt", "-h", "--resume", "--data.path", "--notes.txt", "--config=" + str(toml)])
+    assert (cfg.export.prompt, cfg.resume, cfg.data.path, cfg.run_dir) == ("-h", "latest", ["--notes.txt"], "r")
+
+
+def test_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--optim.lr", "1", "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "--config CONFIG" in text and "--optim.lr 0.003" in text and "--model.hidden_size (unset)" in text
+    assert all(f"--{key} " in text for key in KEYS)
 
 
 def test_unreadable_settings_are_config_errors_before_the_data(tmp_path, corpus):
