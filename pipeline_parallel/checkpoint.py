@@ -337,7 +337,9 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
     Follows the `latest` pointer: after a crash between a save's rename and the pointer update it
     still names the previous checkpoint, which is complete (the steps since are trained again). If
-    the pointer is missing or names no complete checkpoint, the most recently saved complete one.
+    the pointer is missing or names no checkpoint directory, the most recently saved complete one.
+    A named directory that lacks a part was damaged after it was published: that raises, naming an
+    earlier checkpoint, rather than silently going back to it.
     """
     ckpt_dir = Path(run_dir) / CHECKPOINTS
     try:
@@ -372,7 +374,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     Works across pipeline sizes: every rank asks DCP only for its own FQNs. RNG states
     are per rank, so they are restored only if the checkpoint was saved on the same
     number of ranks; otherwise every rank keeps its current RNG (a warning is logged).
-    Pending gradients are dropped. Pass optimizer=None to load only the model.
+    With an optimizer, pending gradients are dropped (its state is created lazily from them).
+    Pass optimizer=None to load only the model; then `.grad` is left as it is.
     """
     path = Path(path)
     if not _is_complete(path):

@@ -337,7 +337,9 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError for any invalid setting or combination; pure, so every rank agrees."""
+    """Raise ConfigError for any invalid setting or combination. Reads only the config and the
+    files it names (resume, hf_model), which a node may see differently: the training program
+    runs it on every rank and raises the first failure everywhere."""
     def check(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)

@@ -123,8 +123,9 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's validated action list. The simulator picks how many backwards to split with the
-        stage costs at the batch's sequence length (attention grows with it, the head does not)."""
+        """This rank's validated action list, planned (unless `split` fixes it: which backwards run as I
+        and W, and where the W's go) with the stage costs at the batch's sequence length (attention
+        grows with it, the head does not)."""
         if not forward_only and seq_len in self._programs:
             return self._programs[seq_len]
         program = build_schedule(

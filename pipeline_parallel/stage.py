@@ -18,8 +18,8 @@ class PipelineStage:
 
     `forward` keeps the microbatch's input and output (the autograd graph between them) until
     `backward` consumes them, so peak memory is set by how many microbatches a schedule keeps
-    in flight. Inputs that arrive from another stage become leaves that require grad: their
-    `.grad` is the gradient the previous stage needs.
+    in flight. Inputs that arrive from another stage become leaves that require grad, so a
+    backward can return the gradient the previous stage needs.
     """
 
     def __init__(self, parts: DecoderParts, stage_idx: int, num_stages: int, autocast_dtype=None):

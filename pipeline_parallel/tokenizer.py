@@ -22,8 +22,8 @@ CACHE_VERSION = 1  # bump when the token file layout changes
 class Tokenizer:
     """One interface over a `tokenizers.Tokenizer` or a transformers tokenizer.
 
-    The rest of the program only uses encode/decode/vocab_size/eos_id/save, so it
-    does not care whether the tokenizer was trained here or given by the user.
+    The rest of the program uses only its methods and `vocab_size`/`eos_id`, so it does
+    not care whether the tokenizer was trained here or given by the user.
     """
 
     def __init__(self, backend, eos_id: int, hf=None):

@@ -89,10 +89,6 @@ def _given_tokenizer(cfg: Config) -> str | None:
     return cfg.data.tokenizer or cfg.hf_model or None
 
 
-def _describe(error: Exception | None) -> tuple[bool, str] | None:
-    return None if error is None else (isinstance(error, _DATA_FAULTS), str(error))
-
-
 # How long ranks wait for one of them to prepare the data or export the model: those take as long as
 # the corpus or the model is big, far beyond a process group's timeout (30 min on gloo, 10 on NCCL),
 # and a rank that dies on the way still ends the job through torchrun.
@@ -129,34 +125,21 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.owns_group = join_group(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         # Waits on one rank's long work (data, export) go through a group of their own with a long timeout.
         self._patient = dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None
         _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
-        validate(cfg, world_size())
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        resume_from = self._agreed(self._preflight, "checking the settings", faults=(ConfigError,))
         self.device = setup_device(cfg)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.say(f"resolved config:\n{to_toml(cfg)}")
-        try:  # every rank writes its checkpoint shards there: found now, not after the data is prepared
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=self.run_dir).close()
-        except OSError as e:
-            raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
-        resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
-        if cfg.export.at_end:  # found now, not after the whole run has trained
-            with as_config_error("export.at_end", FileExistsError):
-                check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
-
-        if cfg.hf_model:  # a model the pipeline cannot run or load is found now, not after the data is prepared
-            with as_config_error("hf_model", TypeError, ValueError, FileNotFoundError):
-                check_layout(model := build_model(cfg, vocab_size=0))
-                check_hf_weights(model, cfg.hf_model)
 
         tokenizer = _given_tokenizer(cfg)
-        self.data = self._rank0_first(lambda: prepare_data(
+        self.data = self._agreed(lambda: prepare_data(
             self.run_dir, cfg.data.path or None, seq_len=cfg.data.seq_len, tokenizer=tokenizer,
             vocab_size=cfg.data.vocab_size, text_field=cfg.data.text_field, max_tokens=cfg.data.max_tokens or None,
-            eval_fraction=cfg.data.eval_fraction, tokenizer_train_chars=cfg.data.tokenizer_train_chars))
+            eval_fraction=cfg.data.eval_fraction, tokenizer_train_chars=cfg.data.tokenizer_train_chars),
+            "preparing the data", faults=_DATA_FAULTS, prefix="data: ", rank0_first=True)
         tok = self.data.tokenizer
         model = build_model(cfg, tok.vocab_size)
         if tok.vocab_size > model.config.vocab_size:
@@ -184,27 +167,51 @@ class Trainer:
         if self.rank == rank:
             tqdm.write(message)
 
-    def _rank0_first(self, fn):
-        """Run `fn` on rank 0, then on the others (they reuse what rank 0 cached); failures raise everywhere.
+    def _preflight(self) -> Path | None:
+        """Check the settings and the files they name, before any long work; return the checkpoint to
+        resume from (None: step 0). Every rank checks: each node may see other files."""
+        cfg = self.cfg
+        validate(cfg, world_size())
+        try:  # every rank writes its checkpoint shards there: found now, not after the data is prepared
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.run_dir).close()
+        except OSError as e:
+            raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
+        resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
+        if cfg.export.at_end:  # found now, not after the whole run has trained
+            with as_config_error("export.at_end", FileExistsError):
+                check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
+        if cfg.hf_model:  # a model the pipeline cannot run or load is found now, not after the data is prepared
+            with as_config_error("hf_model", TypeError, ValueError, FileNotFoundError):
+                check_layout(model := build_model(cfg, vocab_size=0))
+                check_hf_weights(model, cfg.hf_model)
+        return resume_from
 
-        A fault of the data or its settings (a missing file, too little text, ...) becomes one
-        ConfigError with the same message on every rank, so the program prints it once.
+    def _agreed(self, fn, what: str, faults: tuple[type[Exception], ...], prefix: str = "",
+                rank0_first: bool = False):
+        """Run `fn` on every rank (with `rank0_first`, on rank 0 and then on the others, which reuse what
+        it cached) and raise its first failure on every rank, so that no rank goes on to wait for one
+        that stopped, and the error is printed even when rank 0 did not fail.
+
+        One of `faults` (a bad setting, file or text) becomes one ConfigError with the same message
+        everywhere, naming the rank it happened on unless that is rank 0; anything else is raised as
+        itself where it happened and as a RuntimeError naming `what` and that rank elsewhere.
         """
         result = None
-        for turn in (True, False):
+        for turn in (True, False) if rank0_first else (None,):
             error = None
-            if (self.rank == 0) == turn:
+            if turn is None or (self.rank == 0) == turn:
                 try:
                     result = fn()
                 except Exception as e:
                     error = e
-            failed = [(rank, *f) for rank, f in enumerate(_all_gather(_describe(error), self._patient))
-                      if f is not None]
+            reports = _all_gather(None if error is None else (isinstance(error, faults), str(error)), self._patient)
+            failed = [(rank, *report) for rank, report in enumerate(reports) if report is not None]
             if failed:
-                rank, is_data_fault, message = failed[0]
-                if is_data_fault:
-                    raise ConfigError(f"data: {message}") from error
-                raise error or RuntimeError(f"rank {rank} failed preparing the data: {message}")
+                rank, is_fault, message = failed[0]
+                if is_fault:
+                    raise ConfigError(f"{prefix}{message}" if rank == 0 else f"rank {rank}: {prefix}{message}") from error
+                raise error or RuntimeError(f"rank {rank} failed {what}: {message}")
         return result
 
     def _checkpoint_to_resume(self) -> Path | None:

@@ -233,6 +233,26 @@ def test_ranks_started_with_different_settings_fail_together(tmp_path, monkeypat
     assert stderr.getvalue().startswith("error: rank 1: config file"), stderr.getvalue()
 
 
+def _main_where_rank_1_misses_a_file(rank, world_size, run_dir):
+    if rank == 1:  # as on a node that does not see the directory: only this rank's checks fail
+        import pipeline_parallel.train as train
+
+        def validate(cfg, world_size):
+            raise ConfigError("hf_model /models/mine is not a directory")
+        train.validate = validate
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
+        main(["--run-dir", run_dir, "--train.max_steps", "4"])
+    return exit_info.value.code, stderr.getvalue()
+
+
+def test_a_check_that_fails_on_one_rank_stops_every_rank_and_is_printed(tmp_path):
+    """Rank 1 used to stop alone and silently (only rank 0 prints), leaving rank 0 to wait for it."""
+    (code0, said0), (code1, said1) = run_distributed(_main_where_rank_1_misses_a_file, 2, str(tmp_path), timeout=30)
+    assert (code0, code1, said1) == (2, 2, "")
+    assert said0 == "error: rank 1: hf_model /models/mine is not a directory\n", said0
+
+
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
     dist.destroy_process_group()  # main joins a group itself, as under torchrun
     os.environ["MASTER_PORT"] = str(port)
