@@ -9,9 +9,9 @@ from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
 from .models.decoder import DecoderParts, check_layout, check_shared_parameters, model_settings, tied_weight_end
-from .partition import balanced_layer_counts, estimate_costs, layer_ranges, stage_costs
+from .partition import balanced_layer_counts, layer_ranges
+from .pipeline import rank_program
 from .runtime import StepData, run_step
-from .schedules import build_schedule
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -74,9 +74,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
-    costs = stage_costs(layer_counts, estimate_costs(model.config, info.seq_len))  # as Pipeline: this batch's length
-    program = build_schedule(schedule, num_stages, num_microbatches, prefetch=comm.prefetch_receives,
-                             stage_costs=costs)[stage_idx]
+    program = rank_program(schedule, comm, num_microbatches, model.config, layer_counts, info.seq_len)
     loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
     return loss if last else None
 

@@ -20,6 +20,15 @@ from .schedules import build_schedule
 from .stage import PipelineStage, inference_mode_error
 
 
+def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, config, layer_counts: list[int],
+                 seq_len: int, forward_only: bool = False, split: int | None = None) -> list:
+    """This rank's validated action list of `schedule`, planned with the stage costs of these layer
+    counts at this sequence length (attention's share grows with it, the head's does not)."""
+    costs = stage_costs(layer_counts, estimate_costs(config, seq_len))
+    return build_schedule(schedule, comm.pp_size, num_microbatches, prefetch=comm.prefetch_receives,
+                          forward_only=forward_only, stage_costs=costs, split=split)[comm.pp_rank]
+
+
 class Pipeline:
     """Keeps this rank's stage of `model` and trains it with a pipeline schedule.
 
@@ -123,16 +132,12 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's validated action list, planned (unless `split` fixes it: which backwards run as I
-        and W, and where the W's go) with the stage costs at the batch's sequence length (attention
-        grows with it, the head does not)."""
+        """This rank's action list for batches of `seq_len` (see `rank_program`); training ones are kept
+        per sequence length, since planning the split of backwards takes time."""
         if not forward_only and seq_len in self._programs:
             return self._programs[seq_len]
-        program = build_schedule(
-            self.schedule, self.pp_size, self.num_microbatches, prefetch=self.comm.prefetch_receives,
-            forward_only=forward_only, split=self.split,
-            stage_costs=stage_costs(layer_counts, estimate_costs(config, seq_len)),
-        )[self.pp_rank]
+        program = rank_program(self.schedule, self.comm, self.num_microbatches, config, layer_counts, seq_len,
+                               forward_only=forward_only, split=self.split)
         if not forward_only:
             self._programs[seq_len] = program
         return program
