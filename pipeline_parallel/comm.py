@@ -43,8 +43,7 @@ class PipeComm:
 
     def __init__(self, group=None, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.enabled = dist.is_available() and dist.is_initialized()
-        if not self.enabled:
+        if not (dist.is_available() and dist.is_initialized()):
             self.group, self.pp_rank, self.pp_size, self.global_ranks = None, 0, 1, [0]
             self.prefetch_receives = False
             return

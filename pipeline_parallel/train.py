@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
+from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
@@ -95,18 +96,9 @@ def _given_tokenizer(cfg: Config) -> str | None:
 _PATIENCE = timedelta(hours=24)
 
 
-def _all_gather(value, group=None) -> list:
-    """`value` from every rank, in rank order ([value] without a process group)."""
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def _check_same_settings(cfg: Config) -> None:
     """Refuse ranks started with different settings: they would hang (max_steps) or silently disagree (lr)."""
-    ranks = _all_gather(settings(cfg))
+    ranks = PipeComm().all_gather_object(settings(cfg))
     for rank, theirs in enumerate(ranks[1:], start=1):
         differ = [f"{k} = {ranks[0][k]!r} on rank 0 but {v!r} on rank {rank}" for k, v in theirs.items()
                   if v != ranks[0][k]]
@@ -128,7 +120,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         # Waits on one rank's long work (data, export) go through a group of their own with a long timeout.
-        self._patient = dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None
+        self._patient = PipeComm(dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None)
         _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
         resume_from = self._agreed(self._preflight, "checking the settings", faults=(ConfigError,))
         self.device = setup_device(cfg)
@@ -205,7 +197,7 @@ class Trainer:
                     result = fn()
                 except Exception as e:
                     error = e
-            reports = _all_gather(None if error is None else (isinstance(error, faults), str(error)), self._patient)
+            reports = self._patient.all_gather_object(None if error is None else (isinstance(error, faults), str(error)))
             failed = [(rank, *report) for rank, report in enumerate(reports) if report is not None]
             if failed:
                 rank, is_fault, message = failed[0]
@@ -384,7 +376,7 @@ class Trainer:
             if self.reporter:
                 self._report(solo)
         finally:
-            _all_gather(None, self._patient)  # a barrier: the others wait for the export, so the group outlives it
+            self._patient.all_gather_object(None)  # a barrier: the others wait for the export, so the group outlives it
         if self.owns_group:
             dist.destroy_process_group()
 
