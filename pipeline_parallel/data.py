@@ -270,29 +270,29 @@ class TokenBatches:
     """Endless (input_ids, labels) batches [batch_size, seq_len], reshuffled every epoch.
 
     The order depends only on (seed, epoch), and state_dict() is the exact position,
-    so a resumed run sees the batches an uninterrupted one would. Each run of `group`
+    so a resumed run sees the batches an uninterrupted one would. Each run of `accum_steps`
     consecutive batches (the pipeline steps of one optimizer step) comes from one epoch, so
-    batch_size b with group g yields the sequences batch_size b * g does. In a pipeline,
+    batch_size b with accum_steps a yields the sequences batch_size b * a does. In a pipeline,
     the first stage sets need_labels=False and the last need_inputs=False (None comes
     back instead; a middle stage reads nothing), but every rank must call next() the
     same number of times so their positions stay equal.
     """
 
     def __init__(self, sequences: Sequences | torch.Tensor | np.ndarray, batch_size: int, seed: int = 0,
-                 *, need_inputs: bool = True, need_labels: bool = True, group: int = 1):
+                 *, need_inputs: bool = True, need_labels: bool = True, accum_steps: int = 1):
         self.seqs = sequences if isinstance(sequences, Sequences) else Sequences.from_table(sequences)
-        if batch_size < 1 or group < 1:
-            raise ValueError(f"batch_size and group must be at least 1, got {batch_size} and {group}")
-        if len(self.seqs) < batch_size * group:
-            per_step = f"batch_size {batch_size}" + (f" x {group} accumulated batches" if group > 1 else "")
+        if batch_size < 1 or accum_steps < 1:
+            raise ValueError(f"batch_size and accum_steps must be at least 1, got {batch_size} and {accum_steps}")
+        if len(self.seqs) < batch_size * accum_steps:
+            per_step = f"batch_size {batch_size}" + (f" x {accum_steps} accumulated batches" if accum_steps > 1 else "")
             raise ValueError(
                 f"{len(self.seqs)} training sequences are fewer than {per_step}; "
                 "add data, or lower batch_size or seq_len"
             )
-        self.batch_size, self.group, self.seed = batch_size, group, int(seed)
+        self.batch_size, self.accum_steps, self.seed = batch_size, accum_steps, int(seed)
         self.need_inputs, self.need_labels = need_inputs, need_labels
         self.epoch, self.index = 0, 0  # index: sequences of this epoch's order already used
-        self._drawn = 0  # batches drawn since the start or a loaded position, each of which starts a group
+        self._drawn = 0  # batches drawn since the start or a loaded position (where an optimizer step starts)
         self._order_epoch, self._order = None, None
 
     def _epoch_order(self) -> np.ndarray:
@@ -307,8 +307,8 @@ class TokenBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        starts_group, left = self._drawn % self.group == 0, len(self.seqs) - self.index
-        if (starts_group and left < self.batch_size * self.group) or left < self.batch_size:  # the epoch's rest is short
+        starts_run, left = self._drawn % self.accum_steps == 0, len(self.seqs) - self.index
+        if (starts_run and left < self.batch_size * self.accum_steps) or left < self.batch_size:  # the epoch's rest is short
             self.epoch, self.index = self.epoch + 1, 0
         self._drawn += 1
         start, self.index = self.index, self.index + self.batch_size
@@ -318,7 +318,7 @@ class TokenBatches:
 
     def state_dict(self) -> dict[str, int]:
         """Plain ints (JSON-friendly): the position, and what it is only valid for. Take it between
-        groups (after an optimizer step): a loaded position starts a group, whatever `group` was."""
+        optimizer steps: a loaded position starts one, whatever `accum_steps` was."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_sequences": len(self.seqs)}
 
     def load_state_dict(self, state: dict) -> None:

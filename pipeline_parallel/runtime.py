@@ -45,9 +45,9 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     zeros in place of results, so no other rank is left waiting for this one; the error is
     returned for `run_step` to raise on every rank.
     """
-    received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Batch]] = {}
+    received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Transfers]] = {}
     produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # results for neighbours, by `result_of`
-    in_flight: list[_Batch] = []
+    in_flight: list[_Transfers] = []
     pending: list[Action] = []
     error: Exception | None = None
 
@@ -69,13 +69,13 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             return
         works = comm.post(ops)
         if len(works) == len(ops):  # one handle per op (gloo): a receive waits for itself only
-            handles = [_Batch([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
+            handles = [_Transfers([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
         else:  # one handle for the coalesced batch (nccl): waiting only orders the GPU stream
-            handles = [_Batch(works, [tensor for _, tensor, _ in ops])] * len(ops)
+            handles = [_Transfers(works, [tensor for _, tensor, _ in ops])] * len(ops)
         recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
         received.update(zip(recv_keys, recvs))
         # Forget transfers that have finished, so sent activations are not held to the end of the step.
-        in_flight[:] = [batch for batch in in_flight if not batch.finished()]
+        in_flight[:] = [transfers for transfers in in_flight if not transfers.finished()]
         in_flight.extend(handles)
 
     def take_input(action: Action, stage: PipelineStage):
@@ -85,8 +85,8 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
             return step.inputs[action.mb] if action.kind == Kind.F else None  # the last stage starts from its loss
         if source in produced:
             return produced.pop(source)
-        buffer, batch = received.pop((Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B, action.stage, action.mb))
-        batch.wait()
+        buffer, transfers = received.pop((Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B, action.stage, action.mb))
+        transfers.wait()
         return buffer
 
     for action in program:
@@ -112,8 +112,8 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
                 result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
             produced[result_of(action)] = result
     flush()
-    for batch in in_flight:
-        batch.wait()
+    for transfers in in_flight:
+        transfers.wait()
     assert not received and not produced, f"schedule left data unused: {list(received) + list(produced)}"
     return error
 
@@ -138,7 +138,7 @@ def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torc
     raise NotImplementedError(f"the runtime cannot execute {action!r}")
 
 
-class _Batch:
+class _Transfers:
     """Work handles of posted transfers, keeping the tensors they read or fill alive until done.
 
     Waiting is idempotent: gloo hangs if a finished receive is waited on a second time.

@@ -147,7 +147,7 @@ class Trainer:
                              autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len)
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
         with as_config_error("train.batch_size"):  # the same data on every rank, so the same outcome
-            self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed, group=cfg.train.grad_accum_steps,
+            self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed, accum_steps=cfg.train.grad_accum_steps,
                                         need_inputs=self.pipe.is_first, need_labels=self.pipe.is_last)
         self.step, self.tokens, self.checkpoint = 0, 0, None
         self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()

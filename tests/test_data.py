@@ -318,24 +318,24 @@ def test_loader_resumes_exactly():
 
 
 def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
-    """batch_size 4 in groups of 2 (grad_accum_steps 2) yields what batch_size 8 does."""
+    """batch_size 4 with accum_steps 2 (grad_accum_steps 2) yields what batch_size 8 does."""
     table = torch.arange(23 * 5).reshape(23, 5)  # 2 steps of 8 per epoch, 7 sequences left over
-    big, small = D.TokenBatches(table, batch_size=8, seed=3), D.TokenBatches(table, batch_size=4, seed=3, group=2)
+    big, small = D.TokenBatches(table, batch_size=8, seed=3), D.TokenBatches(table, batch_size=4, seed=3, accum_steps=2)
     for _ in range(9):  # four epoch boundaries
         x, y = next(big)
         halves = [next(small), next(small)]
         assert torch.equal(x, torch.cat([h[0] for h in halves])) and torch.equal(y, torch.cat([h[1] for h in halves]))
     with pytest.raises(ValueError, match=r"fewer than batch_size 16 x 2 accumulated batches"):
-        D.TokenBatches(table, batch_size=16, group=2)
+        D.TokenBatches(table, batch_size=16, accum_steps=2)
 
 
-def test_a_resume_with_another_group_keeps_each_group_in_one_epoch():
+def test_a_resume_with_other_accum_steps_keeps_each_optimizer_step_in_one_epoch():
     """Saved with grad_accum_steps 1, resumed with 2: every pair of batches comes from one epoch."""
     table = torch.arange(23 * 5).reshape(23, 5)
     first = D.TokenBatches(table, batch_size=4, seed=3)
     for _ in range(3):
         next(first)
-    resumed = D.TokenBatches(table, batch_size=4, seed=3, group=2)
+    resumed = D.TokenBatches(table, batch_size=4, seed=3, accum_steps=2)
     resumed.load_state_dict(first.state_dict())
     for _ in range(8):
         epochs = [(next(resumed), resumed.epoch)[1] for _ in range(2)]
