@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .comm import device_backends
 
-__all__ = ["SafeFileSystemReader", "UnsafeCheckpointError", "latest_checkpoint",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "read_extra",
+           "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
+class _SafeFileSystemReader(dcp.FileSystemReader):
     """FileSystemReader whose `.metadata` unpickling cannot run arbitrary code.
 
     DCP's own reader calls `pickle.load` on it; this one accepts only DCP metadata
@@ -397,7 +397,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         current = _rng_state()
         state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
 
-    reader = SafeFileSystemReader(path)
+    reader = _SafeFileSystemReader(path)
     try:
         saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
     except UnsafeCheckpointError:

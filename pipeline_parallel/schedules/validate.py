@@ -39,9 +39,6 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
     for rank, actions in enumerate(lowered):
         stages = stages_of_rank(rank, num_stages, num_ranks)
         seen = [a for a in actions if not a.kind.is_comm]
-        duplicates = {a for a, count in Counter(seen).items() if count > 1}
-        if duplicates:
-            raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
         unexpected = sorted(a for a in seen if a.stage not in stages or not 0 <= a.mb < num_microbatches
                             or (forward_only and a.kind != Kind.F))
         if unexpected:
@@ -59,8 +56,8 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
                     need = "F" if forward_only else "F and B" + ("" if stage == 0 else " (or I and W)")
                     raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
                                         f"it runs {sorted(k.value for k in got) or 'nothing'}")
-        duplicates = {a for a, count in Counter(actions).items() if count > 1 and a.kind.is_comm}
-        if duplicates:  # a value is sent and received once
+        duplicates = {a for a, count in Counter(actions).items() if count > 1}
+        if duplicates:  # coverage above counts kinds; a value is computed, sent and received once
             raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
         done = set()  # compute actions run so far, and their results
         for a in actions:
