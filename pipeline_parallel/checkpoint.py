@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
+from ._files import atomic_write, fsync_dir
 from .comm import device_backends
 
 __all__ = ["UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "read_extra",
@@ -181,26 +182,6 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
-def _fsync_dir(path: Path) -> None:
-    if hasattr(os, "O_DIRECTORY"):  # POSIX: make a rename durable
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so readers see either the old or the new content."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _commit(tmp: Path, final: Path) -> None:
     """Publish a fully written checkpoint: rename it into place, then move `latest`."""
     old = final.with_name(final.name + ".old")
@@ -208,8 +189,8 @@ def _commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    _atomic_write(final.parent / LATEST, final.name + "\n")
+    fsync_dir(final.parent)
+    atomic_write(final.parent / LATEST, final.name + "\n")
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -306,7 +287,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def publish() -> None:  # numbered after every published checkpoint: rotation goes by when, not by step
         order = max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
-        _atomic_write(tmp / META, json.dumps({**meta, "save_order": order}, indent=1))
+        atomic_write(tmp / META, json.dumps({**meta, "save_order": order}, indent=1))
         _commit(tmp, final)
 
     _on_rank0(prepare, rank, group, f"create {tmp}")  # before anyone writes into it

@@ -11,6 +11,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from ._files import atomic_write
+
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens we recognise in a bare tokenizer.json, most usual first.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
@@ -73,19 +75,12 @@ class Tokenizer:
         if self.hf is not None and self.hf.eos_token_id == self.eos_id:  # a complete HF tokenizer
             self.hf.save_pretrained(directory)
             return
-        _atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
+        atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
         eos = self.backend.id_to_token(self.eos_id)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
         if model_max_length:
             config["model_max_length"] = model_max_length
-        _atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file so a crash (or another rank) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+        atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
 def _from_tokenizers(backend, source) -> Tokenizer:
@@ -211,8 +206,8 @@ def get_tokenizer(
                 f"what it was trained with, or use a new run directory for a new tokenizer")
         return load_tokenizer(saved)
     tok = train_bpe(texts, vocab_size, tokenizer_train_chars)
-    _atomic_write(record, json.dumps(asked) + "\n")  # first: a tokenizer.json never lacks its record
-    _atomic_write(saved, tok.backend.to_str())  # one self-contained file (its eos is found by name)
+    atomic_write(record, json.dumps(asked) + "\n")  # first: a tokenizer.json never lacks its record
+    atomic_write(saved, tok.backend.to_str())  # one self-contained file (its eos is found by name)
     return tok
 
 
@@ -232,7 +227,7 @@ def stream_digest(tokens: np.memmap) -> str:
     digest = hashlib.sha256()
     for start in range(0, len(tokens), 1 << 24):
         digest.update(tokens[start:start + (1 << 24)].tobytes())
-    _atomic_write(kept, digest.hexdigest() + "\n")
+    atomic_write(kept, digest.hexdigest() + "\n")
     return digest.hexdigest()
 
 

@@ -1,0 +1,32 @@
+"""Small files written whole or not at all, so a reader (another rank, a resumed run) never sees half of one."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` (UTF-8) through a temporary file that no other process uses, then
+    rename it into place: readers see the old content or the new, also after a crash."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # left only by a failed write
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory `path` durable (POSIX; elsewhere a rename is as durable as it gets)."""
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
