@@ -128,7 +128,7 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     offset = 1 + len(facts)
     differ = [name for i, name in enumerate(names) if len({row[offset + i] for row in rows}) > 1]
     if differ:  # the same on every rank, so they all gather the details together
-        described = [f"{name!r} ({_differences(comm.all_gather_object(details[name]))})" if name in details
+        described = [f"{name!r} ({differences(comm.all_gather_object(details[name]))})" if name in details
                      else repr(name) for name in differ]
         what = _HINTS.get(differ[0]) if len(differ) == 1 else None
         what = what or f"every rank must construct the pipeline and call the step with the same {' and '.join(differ)}"
@@ -136,8 +136,9 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     return rows
 
 
-def _differences(by_rank: list[dict], most: int = 4) -> str:
-    """What differs between the ranks' dicts, e.g. "rope_theta: 10000.0 on rank 0, 1000000.0 on rank 1"."""
+def differences(by_rank: list[dict], most: int = 4) -> str:
+    """What differs between the ranks' dicts, e.g. "rope_theta: 10000.0 on rank 0, 1000000.0 on rank 1"
+    ("" if nothing does)."""
     keys = sorted({key for values in by_rank for key in values}, key=lambda key: (key != "model_type", key))
     differ = [key for key in keys if len({repr(_canonical(values.get(key))) for values in by_rank}) > 1]
     shown = [f"{key}: " + ", ".join(f"{values.get(key)!r} on rank {rank}" for rank, values in enumerate(by_rank))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .batch import differences
 from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
@@ -98,13 +99,10 @@ _PATIENCE = timedelta(hours=24)
 
 def _check_same_settings(cfg: Config) -> None:
     """Refuse ranks started with different settings: they would hang (max_steps) or silently disagree (lr)."""
-    ranks = PipeComm().all_gather_object(settings(cfg))
-    for rank, theirs in enumerate(ranks[1:], start=1):
-        differ = [f"{k} = {ranks[0][k]!r} on rank 0 but {v!r} on rank {rank}" for k, v in theirs.items()
-                  if v != ranks[0][k]]
-        if differ:
-            raise ConfigError(f"the ranks were started with different settings: {'; '.join(differ)}; launch "
-                              "every rank with the same config file and overrides")
+    differ = differences(PipeComm().all_gather_object(settings(cfg)))
+    if differ:
+        raise ConfigError(f"the ranks were started with different settings: {differ}; launch every rank with "
+                          "the same config file and overrides")
 
 
 class TrainingDiverged(RuntimeError):

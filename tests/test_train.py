@@ -221,8 +221,8 @@ def _main_with_rank_settings(rank, world_size, run_dir):
 def test_ranks_started_with_different_settings_fail_together(tmp_path, monkeypatch):
     (code0, said0), (code1, said1) = run_distributed(_main_with_rank_settings, 2, str(tmp_path), timeout=30)
     assert (code0, code1, said1) == (2, 2, "")  # without the check: a hang (max_steps), or training apart (lr)
-    assert said0.startswith("error: the ranks were started with different settings: train.max_steps = 4 on rank 0 "
-                            "but 5 on rank 1; optim.lr = 0.01 on rank 0 but 0.02 on rank 1"), said0
+    assert said0.startswith("error: the ranks were started with different settings: optim.lr: 0.01 on rank 0, 0.02 "
+                            "on rank 1; train.max_steps: 4 on rank 0, 5 on rank 1; launch every rank"), said0
     # A rank that cannot even read its command line has not met the others: it reports itself.
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
