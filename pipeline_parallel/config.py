@@ -22,7 +22,7 @@ except ImportError:  # Python 3.10
 
 from .checkpoint import is_checkpoint
 from .models import PRESETS, LlamaConfig
-from .partition import check_layer_counts
+from .partition import balanced_layer_counts, check_layer_counts
 from .schedules import build_schedule
 
 
@@ -386,11 +386,11 @@ def validate(cfg: Config, world_size: int) -> None:
         seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings
         check(d.seq_len <= seq_max, f"data.seq_len {d.seq_len} exceeds model.max_position_embeddings {seq_max}")
     layers = num_layers(cfg)
-    check(world_size <= layers, f"{world_size} pipeline stages (ranks) but the model has {layers} decoder layers: "
-                                "every stage needs at least one; use fewer ranks or more layers")
-    if p.layer_counts:
-        with as_config_error("pipeline.layer_counts"):
+    with as_config_error("pipeline.layer_counts" if p.layer_counts else "the number of ranks"):
+        if p.layer_counts:
             check_layer_counts(p.layer_counts, layers, world_size)
+        else:  # the even split, which refuses more stages than layers as the balanced one does
+            balanced_layer_counts(layers, world_size)
 
 
 def to_toml(cfg: Config) -> str:
