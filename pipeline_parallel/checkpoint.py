@@ -203,6 +203,13 @@ def _is_complete(path: Path) -> bool:
     return not _missing_parts(path)
 
 
+def _require_complete(path: Path) -> None:
+    if not _is_complete(path):
+        what = "does not exist" if not path.exists() else f"is not a complete checkpoint (it lacks " \
+            f"{' and '.join(_missing_parts(path))})"
+        raise FileNotFoundError(f"{path} {what}; pass a directory returned by latest_checkpoint()")
+
+
 def _step_dirs(ckpt_dir: Path) -> list[Path]:
     """Published checkpoint directories, oldest step first.
 
@@ -343,8 +350,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 def read_extra(path: str | os.PathLike) -> dict:
     """The `extra` a checkpoint was saved with, without loading any tensor."""
-    if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint; pass a directory returned by latest_checkpoint()")
+    _require_complete(Path(path))
     return _read_meta(Path(path))["extra"]
 
 
@@ -359,9 +365,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     Pass optimizer=None to load only the model; then `.grad` is left as it is.
     """
     path = Path(path)
-    if not _is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (needs .metadata and "
-                                f"{META}); pass a directory returned by latest_checkpoint()")
+    _require_complete(path)
     meta = _read_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "

@@ -336,8 +336,10 @@ def test_clear_errors(tmp_path):
     opt = train(model)
     with pytest.raises(TypeError, match="JSON-serialisable"):
         save_checkpoint(tmp_path, 1, model, opt, {"lr": torch.tensor(1.0)}, keep_last=1)
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"not a complete checkpoint \(it lacks .metadata and meta.json\)"):
         load_checkpoint(tmp_path, model, opt)
+    with pytest.raises(FileNotFoundError, match="step_000009 does not exist; pass a directory returned by"):
+        read_extra(tmp_path / "step_000009")
     path = save_checkpoint(tmp_path, 1, model, None, {}, keep_last=1)
     with pytest.raises(ValueError, match="without optimizer state"):
         load_checkpoint(path, model, opt)
