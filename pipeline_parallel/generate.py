@@ -42,7 +42,8 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
-                   top_k=top_k or None, generator=generator if device.type == "cpu" else None)
+                   top_k=top_k or None, generator=generator if device.type == "cpu" else None,
+                   vocab_size=tokenizer.vocab_size)
     new = out[0, len(ids):].tolist()
     head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new)
     # A prompt that ends inside a character (byte-level BPE) decodes apart from the whole: then the new tokens alone.

@@ -168,6 +168,12 @@ def test_generate_shape_and_reproducibility():
     assert torch.equal(out, again)
     greedy = generate(model, prompt, max_new_tokens=2, temperature=0)
     assert torch.equal(greedy[:, 5], model(prompt).logits[:, -1].argmax(-1))
+    # A tiny temperature is all but greedy; it used to overflow to inf and stop with a traceback.
+    assert torch.equal(generate(model, prompt, max_new_tokens=2, temperature=1e-39), greedy)
+    # An embedding padded beyond the tokenizer: its extra rows decode to nothing and are never drawn.
+    padded = generate(model, prompt, max_new_tokens=20, temperature=5.0, generator=torch.Generator().manual_seed(1),
+                      vocab_size=7)
+    assert int(padded[:, 5:].max()) < 7
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         generate(model, prompt, max_new_tokens=1, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be >= 1"):

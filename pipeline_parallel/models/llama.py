@@ -293,11 +293,13 @@ def num_parameters(model: nn.Module) -> int:
 
 @torch.no_grad()
 def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             vocab_size: int | None = None) -> torch.Tensor:
     """Sample max_new_tokens after input_ids (batch, seq) by re-running the whole context each step.
 
-    temperature=0 picks the most likely token; top_k keeps only the k most likely tokens.
-    Returns (batch, seq + max_new_tokens) token ids.
+    temperature=0 picks the most likely token; top_k keeps only the k most likely tokens;
+    `vocab_size` (the tokenizer's) leaves out the rows of an embedding padded beyond it, which
+    no text decodes to. Returns (batch, seq + max_new_tokens) token ids.
     """
     if not temperature >= 0:  # a negative one would silently prefer the least likely tokens
         raise ValueError(f"temperature must be >= 0 (0 picks the most likely token), got {temperature}")
@@ -305,11 +307,11 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
         raise ValueError(f"top_k must be >= 1, or None to sample among all tokens; got {top_k}")
     for _ in range(max_new_tokens):
         context = input_ids[:, -model.config.max_position_embeddings:]
-        logits = model(context).logits[:, -1, :].float()
+        logits = model(context).logits[:, -1, :vocab_size].float()
         if temperature == 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
+        else:  # from the largest logit down, so a tiny temperature does not overflow to inf
+            logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
