@@ -101,7 +101,7 @@ def _field(record, field: str, where: str) -> str:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:  # as text files: one odd byte cannot stop a run
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # as text files: one odd byte cannot stop a run
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -185,7 +185,8 @@ def iter_pieces(sources: Iterable[Source], text_field: str = "text",
     characters: a whole text file is one document, a JSONL line one, a Parquet row one...
 
     A text file is read a piece at a time, so memory stays bounded whatever its size. Text files
-    are decoded as UTF-8 with undecodable bytes replaced, so one odd file cannot stop a long run.
+    are decoded as UTF-8 (a byte-order mark at the start dropped) with undecodable bytes replaced,
+    so one odd file cannot stop a long run.
     """
     for src in sources:
         if isinstance(src, str):
@@ -195,7 +196,7 @@ def iter_pieces(sources: Iterable[Source], text_field: str = "text",
         elif src.suffix.lower() in PARQUET_SUFFIXES:
             docs = _parquet_documents(src, text_field)
         else:  # a text file: one document, read from the file a piece at a time
-            with open(src, encoding="utf-8", errors="replace") as f:
+            with open(src, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM is no text
                 yield from _without_blank_start(_cut(f.read, max_chars))
             continue
         for doc in docs:

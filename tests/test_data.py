@@ -66,6 +66,11 @@ def test_jsonl_with_custom_field(tmp_path):
         documents(D.expand_sources(path))
     path.write_text('{"text": "caf\xe9"}\n'.encode("latin-1").decode("utf-8", "surrogateescape"), errors="surrogateescape")
     assert documents(D.expand_sources(path)) == ["caf\ufffd"]
+    # A file saved with a byte-order mark (Windows tools, utf-8-sig): the JSONL was refused, the text kept U+FEFF.
+    path.write_bytes(b'\xef\xbb\xbf{"text": "x"}\n')
+    text = tmp_path / "bom.txt"
+    text.write_bytes(b"\xef\xbb\xbfy")
+    assert documents([path, text]) == ["x", "y"]
 
 
 def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
