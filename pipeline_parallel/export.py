@@ -167,15 +167,28 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`,
     with the `generation_config.json` of `source` (the Hugging Face model it was trained from) if it has one.
 
-    Written into a temporary directory and renamed, so `out_dir` is never half written. An
-    existing `out_dir` is replaced only if it is empty or a Hugging Face model (an earlier export).
+    Written into a temporary directory and renamed, so `out_dir` is never half written (and a
+    failure leaves nothing behind). An existing `out_dir` is replaced only if it is empty or a
+    Hugging Face model (an earlier export); a link to a directory is followed, so it stays a link.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
+    if out_dir.is_symlink() and out_dir.is_dir():
+        out_dir = out_dir.resolve()
     check_replaceable(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")  # a name no one else uses
     tmp.mkdir(parents=True)
+    try:
+        _write_hf_model(model, tokenizer, tmp, dtype, source)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # left only by a failure
+    return out_dir
+
+
+def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: str, source) -> None:
+    from safetensors.torch import save_file
+
     config = type(model.config).from_dict(model.config.to_dict())
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
@@ -190,9 +203,6 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **_EXPORT_MARK, "files": json.dumps(files)})
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    return out_dir
 
 
 def _keeps_special_tokens(config, source: Path) -> bool:

@@ -146,6 +146,10 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     (out / "notes.md").unlink()
     assert export(run_dir, out)[0] == out
     assert (tmp_path / "hf.tmp" / "todo.txt").read_text() == "mine"
+    # A link to an earlier export is followed and stays a link; it used to fail and leave a full temporary copy.
+    (tmp_path / "link").symlink_to(out)
+    assert export(run_dir, tmp_path / "link")[0] == out and (tmp_path / "link").is_symlink()
+    assert (tmp_path / "link" / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [], "no temporary left"
     assert (out / "config.json").is_file()
     model.save_pretrained(tmp_path / "source-model")  # say, the model the run started from
