@@ -33,18 +33,19 @@ _EXPORT_MARK = {"exported_by": "pipeline_parallel"}  # in the weights' metadata:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def hf_config_dict(model: nn.Module, eos_id: int) -> dict:
-    """The model's Hugging Face config as a JSON-able dict, with the tokenizer's end-of-text id.
+def hf_config_dict(model: nn.Module, eos_id: int, bos_id: int | None = None) -> dict:
+    """The model's Hugging Face config as a JSON-able dict, with the tokenizer's special ids.
 
     A Hugging Face model whose end-of-text ids include the tokenizer's keeps its own special
-    tokens (BOS, a list of EOS ids); otherwise, and for our own Llama, end-of-text is also BOS.
+    tokens (BOS, a list of EOS ids); otherwise, and for our own Llama, they are the tokenizer's
+    end-of-text and BOS (`bos_id`, by default end-of-text too).
     """
     own = hasattr(model.config, "to_hf_config")
     config = model.config.to_hf_config() if own else model.config
     config = type(config).from_dict(config.to_dict())  # a copy: the ids below must not leak into the model
     eos = config.eos_token_id
     if own or not (eos == eos_id or (isinstance(eos, list) and eos_id in eos)):
-        config.eos_token_id = config.bos_token_id = eos_id
+        config.eos_token_id, config.bos_token_id = eos_id, eos_id if bos_id is None else bos_id
     return json.loads(config.to_json_string())
 
 

@@ -38,7 +38,7 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     a SentencePiece decoder strips from the start of a text ("Hello" + "▁world").
     """
     prompt_ids = tokenizer.encode(prompt)
-    ids = prompt_ids or [tokenizer.eos_id]
+    ids = tokenizer.document_ends[0] + prompt_ids or [tokenizer.eos_id]  # as a document starts in training
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,

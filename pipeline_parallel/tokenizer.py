@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 TOKENIZER_FILE = "tokenizer.json"
 TRAINED_WITH_FILE = "tokenizer-trained-with.json"  # beside a tokenizer trained in run_dir: the settings it took
-CACHE_VERSION = 1  # bump when the token file layout changes
+CACHE_VERSION = 2  # bump when what a token file holds changes (2: the tokenizer's own BOS, markers as text)
 
 
 class Tokenizer:
@@ -40,18 +41,45 @@ class Tokenizer:
             return len(self.hf)
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without any BOS/EOS the tokenizer would add."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, with the BOS (and so on) the tokenizer adds
+        of its own accord (see `document_ends`)."""
         if self.backend is not None:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False)
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Like encode over many texts; parallel (and much faster) with `tokenizers`."""
+    def encode_data(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of pieces of training text; parallel (and much faster) with `tokenizers`. A
+        special token's text in the data, such as a file quoting "<|endoftext|>", is text: it must
+        not end a document where none ends."""
         if self.backend is None:
-            return [self.encode(t) for t in texts]
+            return [self.hf.encode(t, add_special_tokens=False, split_special_tokens=True) for t in texts]
         fast = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        return [e.ids for e in fast(texts, add_special_tokens=False)]
+        as_text = self.backend.encode_special_tokens
+        self.backend.encode_special_tokens = True
+        try:
+            return [e.ids for e in fast(texts, add_special_tokens=False)]
+        finally:
+            self.backend.encode_special_tokens = as_text
+
+    @functools.cached_property
+    def document_ends(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text of its own accord, such as Llama's BOS.
+
+        Training puts them around each document (and EOS after it), so a model sees its texts as
+        the exported tokenizer will hand them to it; a tokenizer trained here adds none."""
+        plain, full = self.encode("a"), self.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
+
+    @property
+    def bos_id(self) -> int:
+        """The token that starts a document: the one the tokenizer puts before a text, else end-of-text
+        (which ends the document before)."""
+        before = self.document_ends[0]
+        return before[0] if len(before) == 1 else self.eos_id
 
     def decode(self, ids: list[int]) -> str:
         ids = [int(i) for i in ids]
@@ -76,8 +104,8 @@ class Tokenizer:
             self.hf.save_pretrained(directory)
             return
         atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
-        eos = self.backend.id_to_token(self.eos_id)
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos}
+        eos, bos = self.backend.id_to_token(self.eos_id), self.backend.id_to_token(self.bos_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos}
         if model_max_length:
             config["model_max_length"] = model_max_length
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
@@ -246,8 +274,10 @@ def _batched(pieces: Iterable[tuple[str, bool]], max_chars: int = 1 << 22) -> It
 
 def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path: Path,
                  max_tokens: int | None = None) -> int:
-    """Tokenise (text, ends_document) `pieces` (EOS after each document) into a flat binary
-    file; returns the token count.
+    """Tokenise (text, ends_document) `pieces` into a flat binary file; returns the token count.
+
+    Each document is put between the ids its tokenizer adds around a text (`document_ends`, a
+    BOS say) and followed by EOS, which a tokenizer may already add.
 
     Written to a temporary file first, so a crash never leaves a truncated cache; the
     temporary files of killed runs on this host are removed (they can be gigabytes).
@@ -255,13 +285,16 @@ def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path:
     dtype = token_dtype(tokenizer)
     _remove_killed_partials(path.parent)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    count = 0
+    before, after = tokenizer.document_ends
+    after = after if after[-1:] == [tokenizer.eos_id] else after + [tokenizer.eos_id]
+    count, starts = 0, True  # whether the next piece starts a document
     try:
         with open(tmp, "wb") as f:
             for batch in _batched(pieces):
-                ids = tokenizer.encode_batch([text for text, _ in batch])
-                flat = [t for piece, (_, ends) in zip(ids, batch)
-                        for t in (piece + [tokenizer.eos_id] if ends else piece)]
+                flat = []
+                for piece, (_, ends) in zip(tokenizer.encode_data([text for text, _ in batch]), batch):
+                    flat += (before if starts else []) + piece + (after if ends else [])
+                    starts = ends
                 if max_tokens is not None:
                     flat = flat[: max_tokens - count]
                 f.write(np.asarray(flat, dtype=dtype).tobytes())

@@ -134,7 +134,7 @@ class Trainer:
         model = build_model(cfg, tok.vocab_size)
         if tok.vocab_size > model.config.vocab_size:
             raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
-        self.model_config = hf_config_dict(model, tok.eos_id)
+        self.model_config = hf_config_dict(model, tok.eos_id, tok.bos_id)
         self.say(f"model: {num_parameters(model):,} parameters, {self.model_config['num_hidden_layers']} layers; data: "
                  f"{len(self.data.train):,} train and {len(self.data.eval):,} held-out sequences of "
                  f"{cfg.data.seq_len} tokens, vocabulary {tok.vocab_size:,}")

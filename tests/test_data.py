@@ -225,6 +225,32 @@ def test_transformers_tokenizer_directory(tmp_path):
         load_tokenizer(tmp_path / "model")
 
 
+def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_text_stay_text(tmp_path):
+    """Training used to drop a tokenizer's BOS that its export then added for every user, so the model
+    never saw the inputs it is given; and a document quoting "<|endoftext|>" got a false end."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    ours = train_bpe(make_docs(), vocab_size=300)
+    assert ours.document_ends == ([], []) and ours.bos_id == ours.eos_id  # a tokenizer trained here adds none
+    backend = train_bpe(make_docs(), vocab_size=300).backend
+    backend.add_special_tokens(["<s>"])
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
+    assert tok.document_ends == ([bos], []) and tok.bos_id == bos
+    pieces = [("the lazy ", False), ("dog", True), (f"quoting {EOS_TOKEN} here", True)]
+    path = tmp_path / "tokens.uint16.bin"
+    T.write_tokens(pieces, tok, path)
+    as_text = tok.encode_data(["quoting "])[0] + tok.encode_data([EOS_TOKEN])[0] + tok.encode_data([" here"])[0]
+    assert tok.eos_id not in as_text
+    assert np.fromfile(path, dtype=np.uint16).tolist() == (
+        [bos] + tok.encode("the lazy ") + tok.encode("dog") + [tok.eos_id] + [bos] + as_text + [tok.eos_id])
+    tok.save(tmp_path / "saved")  # as the export writes it: transformers adds the same BOS, and names it
+    auto = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert auto.bos_token_id == bos and auto("dog").input_ids == [bos] + tok.encode("dog")
+
+
 # --- packing, caching, split ---------------------------------------------------------------------
 
 
