@@ -34,7 +34,7 @@ def _canonical(value):
     return value
 
 
-def check_token_tensor(tensor, name: str, vocab_size: int, allow_ignore: bool) -> str | None:
+def _token_tensor_error(tensor, name: str, vocab_size: int, allow_ignore: bool) -> str | None:
     """Why `tensor` is not a valid [batch, seq_len] tensor of token IDs, or None if it is."""
     if not isinstance(tensor, torch.Tensor):
         return f"{name} must be a torch.Tensor of token IDs shaped [batch, seq_len], got {type(tensor).__name__}"
@@ -76,11 +76,11 @@ def agree_on_batch(
     facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
     try:
         if error is None and input_ids is not None:
-            error = check_token_tensor(input_ids, "input_ids", vocab_size, allow_ignore=False)
+            error = _token_tensor_error(input_ids, "input_ids", vocab_size, allow_ignore=False)
             if error is None:
                 facts[0:2] = input_ids.shape
         if error is None and labels is not None:
-            error = check_token_tensor(labels, "labels", vocab_size, allow_ignore=True)
+            error = _token_tensor_error(labels, "labels", vocab_size, allow_ignore=True)
             if error is None:
                 facts[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
     except Exception as e:  # a tensor the checks cannot read: raised on every rank below, not here alone

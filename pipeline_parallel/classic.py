@@ -50,7 +50,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
         check_shared_parameters(model, layer_ranges(layer_counts), hint="the classic API splits the layers evenly; "
                                 "Pipeline(..., layer_counts=...) can keep the layers sharing it on one stage")
-        error = error or _check_dtype(dtype) or _check_microbatches(inputs, targets) or inference_mode_error()
+        error = error or _dtype_error(dtype) or _microbatches_error(inputs, targets) or inference_mode_error()
         if error is None:
             input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
     except (TypeError, ValueError) as e:
@@ -79,14 +79,14 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     return loss if last else None
 
 
-def _check_dtype(dtype) -> str | None:
+def _dtype_error(dtype) -> str | None:
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         return (f"dtype must be a floating-point torch.dtype for the hidden states and gradients, such as "
                 f"torch.float32 or torch.bfloat16, got {dtype!r}")
     return None
 
 
-def _check_microbatches(inputs, targets) -> str | None:
+def _microbatches_error(inputs, targets) -> str | None:
     """Why `inputs`/`targets` are not matching lists of equally shaped microbatches, or None."""
     for name, value in (("inputs", inputs), ("targets", targets)):
         if not isinstance(value, (list, tuple)) or not value:
