@@ -97,11 +97,18 @@ class Tokenizer:
 
     def save(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """Write files that both `load_tokenizer(directory)` and `transformers.AutoTokenizer`
-        (4.x and 5.x) load as this tokenizer, its end-of-text token included."""
+        (4.x and 5.x) load as this tokenizer, its end-of-text token included, with
+        `model_max_length` unless the tokenizer already has its own."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.hf is not None and self.hf.eos_token_id == self.eos_id:  # a complete HF tokenizer
-            self.hf.save_pretrained(directory)
+            own = self.hf.model_max_length
+            if model_max_length and own >= 1e29:  # transformers' stand-in for none: users would not be warned
+                self.hf.model_max_length = model_max_length
+            try:
+                self.hf.save_pretrained(directory)
+            finally:
+                self.hf.model_max_length = own
             return
         atomic_write(directory / TOKENIZER_FILE, self.backend.to_str())
         eos, bos = self.backend.id_to_token(self.eos_id), self.backend.id_to_token(self.bos_id)

@@ -216,6 +216,8 @@ def test_transformers_tokenizer_directory(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=EOS_TOKEN).save_pretrained(tmp_path / "hf")
     loaded = load_tokenizer(tmp_path / "hf")
     assert loaded.hf is not None and loaded.eos_id == tok.eos_id
+    loaded.save(tmp_path / "exported", model_max_length=64)  # it had none: the model's is written
+    assert load_tokenizer(tmp_path / "exported").hf.model_max_length == 64 and loaded.hf.model_max_length > 1e29
     assert loaded.encode("the lazy dog") == tok.encode("the lazy dog")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
