@@ -320,11 +320,15 @@ def _usage() -> argparse.ArgumentParser:
 def num_layers(cfg: Config) -> int:
     """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
     if cfg.hf_model:
-        config_file = Path(cfg.hf_model) / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
-        return int(json.loads(config_file.read_text())["num_hidden_layers"])
+        return int(_hf_config(cfg)["num_hidden_layers"])
     return llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).num_hidden_layers
+
+
+def _hf_config(cfg: Config) -> dict:
+    config_file = Path(cfg.hf_model) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
+    return json.loads(config_file.read_text())
 
 
 def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
@@ -345,6 +349,8 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(message)
 
     t, o, d, p = cfg.train, cfg.optim, cfg.data, cfg.pipeline
+    check(cfg.run_dir.strip() != "", "run_dir is empty (an unset variable?): give the directory the run writes to, "
+                                     "such as runs/mine")
     check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
     check(0 <= cfg.seed < 2**63, f"seed must be in [0, 2**63) (what torch's generators take), got {cfg.seed}")
     check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
@@ -382,6 +388,9 @@ def validate(cfg: Config, world_size: int) -> None:
         check(Path(cfg.hf_model).is_dir(), f"hf_model {cfg.hf_model} is not a directory")
         named = [f"model.{f.name}" for f in fields(ModelConfig) if getattr(cfg.model, f.name) != f.default]
         check(not named, f"{', '.join(named)} cannot be set with hf_model: its shape comes from its config.json")
+        seq_max = _hf_config(cfg).get("max_position_embeddings")
+        check(seq_max is None or d.seq_len <= seq_max,
+              f"data.seq_len {d.seq_len} exceeds the max_position_embeddings {seq_max} of hf_model {cfg.hf_model}")
     else:
         seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings
         check(d.seq_len <= seq_max, f"data.seq_len {d.seq_len} exceeds model.max_position_embeddings {seq_max}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -410,12 +411,45 @@ def run(cfg: Config) -> list[dict]:
     return Trainer(cfg).fit()
 
 
+class _Interrupted(KeyboardInterrupt):
+    """A stop asked for from outside: Ctrl-C (SIGINT) or SIGTERM (a job scheduler, torchrun)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum, frame) -> None:
+    # A second signal (torchrun hands on the Ctrl-C a rank got too, then sends SIGTERM) must not cut the
+    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning).
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, _ignore)
+    raise _Interrupted(signum)
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+def _interrupted(cfg: Config, signum: int) -> str:
+    """The one line an interrupted run ends with: where a new start of the same command resumes."""
+    try:
+        latest = latest_checkpoint(cfg.run_dir)
+    except ValueError:  # a damaged one: the next start names it
+        latest = None
+    where = (f"run the same command to resume from its latest checkpoint, {latest} (steps after it are trained "
+             "again)" if latest else "it saved no checkpoint yet, so the same command starts it again")
+    return f"interrupted by {signal.Signals(signum).name}: {where}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: a config error or divergence ends every rank with one line, no traceback.
+    """Console entry point: a config error, divergence or interruption ends every rank with one line,
+    no traceback.
 
     A rank that cannot read its command line says so itself (they have not met yet); once the
     ranks have met and agreed on the settings, every error is raised alike everywhere and rank 0
-    prints it.
+    prints it. Ctrl-C and SIGTERM, which torchrun hands on to every rank, end the run with exit code
+    128 + the signal's number, as a shell reports a process the signal ended.
     """
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -424,15 +458,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     joins = not dist.is_initialized()
+    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signum = None
     try:
         run(cfg)
     except (ConfigError, TrainingDiverged) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except _Interrupted as e:
+        signum = e.signum
     finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
         if joins and dist.is_initialized():
             dist.destroy_process_group()
+        for each, handler in handlers.items():
+            signal.signal(each, handler)
+    if signum is not None:
+        if rank == 0:
+            print(_interrupted(cfg, signum), file=sys.stderr)
+        sys.exit(128 + signum)
 
 
 if __name__ == "__main__":

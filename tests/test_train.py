@@ -118,7 +118,8 @@ def test_config_errors(tmp_path, corpus):
                                 ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1"),
                                 ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after"),
                                 ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
-                                ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)")):
+                                ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)"),
+                                ("run_dir", " ", "run_dir is empty")):  # it wrote the run into the current directory
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
     # With hf_model the shape is the model's own: a preset, like any model.* key, would be ignored.
@@ -130,6 +131,10 @@ def test_config_errors(tmp_path, corpus):
     for key, value in (("model.preset", "small"), ("model.hidden_size", 64)):
         with pytest.raises(ConfigError, match=rf"{key} cannot be set with hf_model: its shape comes from its config"):
             validate(with_overrides(from_hf, **{key: value}), 2)
+    # Its context bounds the sequence length as our Llama's does (it used to be accepted silently).
+    transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=64).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"data.seq_len 128 exceeds the max_position_embeddings 64 of hf_model"):
+        validate(from_hf, 2)
 
 
 def test_config_file_overrides_and_round_trip(tmp_path):
@@ -251,6 +256,28 @@ def test_a_check_that_fails_on_one_rank_stops_every_rank_and_is_printed(tmp_path
     (code0, said0), (code1, said1) = run_distributed(_main_where_rank_1_misses_a_file, 2, str(tmp_path), timeout=30)
     assert (code0, code1, said1) == (2, 2, "")
     assert said0 == "error: rank 1: hf_model /models/mine is not a directory\n", said0
+
+
+def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM used to end each rank with a traceback (about 100 lines under torchrun)."""
+    import signal
+
+    import pipeline_parallel.train as train
+
+    def run(cfg, signum):
+        os.kill(os.getpid(), signum)
+        time.sleep(10)  # the signal's handler raises before this ends
+
+    for run_dir, signum, said in ((runs[0], signal.SIGTERM, r"resume from its latest checkpoint, .*step_000006"),
+                                  (tmp_path, signal.SIGINT, "it saved no checkpoint yet")):
+        monkeypatch.setattr(train, "run", lambda cfg: run(cfg, signum))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--run-dir", str(run_dir)])
+        assert exit_info.value.code == 128 + signum
+        err = capsys.readouterr().err
+        assert re.fullmatch(rf"interrupted by {signal.Signals(signum).name}: .*{said}.*\n", err), err
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
