@@ -458,7 +458,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     joins = not dist.is_initialized()
-    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # A signal the launcher ignores (SIGINT in a job started with `&` or nohup) stays ignored.
+    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) != signal.SIG_IGN}
     signum = None
     try:
         run(cfg)

@@ -268,6 +268,9 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
         os.kill(os.getpid(), signum)
         time.sleep(10)  # the signal's handler raises before this ends
 
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in before:  # as in a terminal (in a job started with `&`, SIGINT is ignored, and stays so)
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     for run_dir, signum, said in ((runs[0], signal.SIGTERM, r"resume from its latest checkpoint, .*step_000006"),
                                   (tmp_path, signal.SIGINT, "it saved no checkpoint yet")):
         monkeypatch.setattr(train, "run", lambda cfg: run(cfg, signum))
@@ -278,6 +281,8 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
         assert re.fullmatch(rf"interrupted by {signal.Signals(signum).name}: .*{said}.*\n", err), err
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
