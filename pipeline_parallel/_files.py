@@ -7,10 +7,16 @@ import socket
 from pathlib import Path
 
 
+def temporary_path(path: Path) -> Path:
+    """A hidden name beside `path` that no other process uses (host and pid in it), to write into
+    before renaming onto `path`."""
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
 def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` (UTF-8) through a temporary file that no other process uses, then
-    rename it into place: readers see the old content or the new, also after a crash."""
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    """Write `text` to `path` (UTF-8) through a `temporary_path`, then rename it into place: readers
+    see the old content or the new, also after a crash."""
+    tmp = temporary_path(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

@@ -204,9 +204,10 @@ def _is_complete(path: Path) -> bool:
 
 
 def _require_complete(path: Path) -> None:
-    if not _is_complete(path):
-        what = "does not exist" if not path.exists() else f"is not a complete checkpoint (it lacks " \
-            f"{' and '.join(_missing_parts(path))})"
+    missing = _missing_parts(path)
+    if missing:
+        what = (f"is not a complete checkpoint (it lacks {' and '.join(missing)})" if path.exists()
+                else "does not exist")
         raise FileNotFoundError(f"{path} {what}; pass a directory returned by latest_checkpoint()")
 
 

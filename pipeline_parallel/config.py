@@ -7,7 +7,6 @@ import contextlib
 import copy
 import difflib
 import json
-import math
 import os
 import sys
 import types
@@ -302,9 +301,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def _usage() -> argparse.ArgumentParser:
     """The --help text: the two special options, then every key with its default."""
-    defaults = Config()
-    keys = "\n".join(f"  --{key} {_get(defaults, key)!r}" if _get(defaults, key) is not None else f"  --{key} (unset)"
-                     for key in KEYS)
+    defaults = settings(Config())
+    keys = "\n".join(f"  --{key} {'(unset)' if value is None else repr(value)}" for key, value in defaults.items())
     parser = argparse.ArgumentParser(
         prog="pipeline_parallel.train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Pipeline-parallel pretraining of a Llama-style model; launch one process per stage with\n"

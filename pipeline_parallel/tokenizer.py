@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ._files import atomic_write
+from ._files import atomic_write, temporary_path
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens we recognise in a bare tokenizer.json, most usual first.
@@ -291,7 +291,7 @@ def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path:
     """
     dtype = token_dtype(tokenizer)
     _remove_killed_partials(path.parent)
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp = temporary_path(path)
     before, after = tokenizer.document_ends
     after = after if after[-1:] == [tokenizer.eos_id] else after + [tokenizer.eos_id]
     count, starts = 0, True  # whether the next piece starts a document
