@@ -38,64 +38,21 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     """Run `program` (this rank's lowered actions) for one step.
 
     Consecutive comm actions are posted as one batch when the next compute action comes up
-    (or at the end); a compute action waits only for the receive it consumes. Sends are kept
-    until they complete, so their tensors stay alive; all are waited for before returning.
+    (or at the end); a compute action waits only for the receive it consumes (see `_Mailbox`).
 
     If a compute action raises, the rest of the program still makes every transfer, handing on
     zeros in place of results, so no other rank is left waiting for this one; the error is
     returned for `run_step` to raise on every rank.
     """
-    received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Transfers]] = {}
-    produced: dict[tuple[Kind, int, int], torch.Tensor] = {}  # results for neighbours, by `result_of`
-    in_flight: list[_Transfers] = []
-    pending: list[Action] = []
+    mailbox = _Mailbox(comm, step)
     error: Exception | None = None
-
-    def flush() -> None:
-        ops, recv_keys = [], []
-        for action in pending:
-            if action.kind in (Kind.SEND_F, Kind.SEND_B):
-                compute = Kind.F if action.kind == Kind.SEND_F else Kind.B
-                tensor = produced.pop((compute, action.stage, action.mb))
-                peer = action.stage + 1 if compute == Kind.F else action.stage - 1
-                ops.append(("send", tensor, stage_to_rank(peer, comm.pp_size)))
-            else:
-                buffer = torch.empty(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
-                peer = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
-                ops.append(("recv", buffer, stage_to_rank(peer, comm.pp_size)))
-                recv_keys.append((action.kind, action.stage, action.mb))
-        pending.clear()
-        if not ops:
-            return
-        works = comm.post(ops)
-        if len(works) == len(ops):  # one handle per op (gloo): a receive waits for itself only
-            handles = [_Transfers([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
-        else:  # one handle for the coalesced batch (nccl): waiting only orders the GPU stream
-            handles = [_Transfers(works, [tensor for _, tensor, _ in ops])] * len(ops)
-        recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
-        received.update(zip(recv_keys, recvs))
-        # Forget transfers that have finished, so sent activations are not held to the end of the step.
-        in_flight[:] = [transfers for transfers in in_flight if not transfers.finished()]
-        in_flight.extend(handles)
-
-    def take_input(action: Action, stage: PipelineStage):
-        """The microbatch, the neighbouring stage's result on this rank, or the received tensor."""
-        source = input_of(action, stage.num_stages)
-        if source is None:
-            return step.inputs[action.mb] if action.kind == Kind.F else None  # the last stage starts from its loss
-        if source in produced:
-            return produced.pop(source)
-        buffer, transfers = received.pop((Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B, action.stage, action.mb))
-        transfers.wait()
-        return buffer
-
     for action in program:
         if action.kind.is_comm:
-            pending.append(action)
+            mailbox.queue(action)
             continue
-        flush()
+        mailbox.post()
         stage = stages[action.stage]
-        data = take_input(action, stage)
+        data = mailbox.take(action, stage.num_stages)
         result = None
         if error is None:
             start = time.perf_counter()
@@ -110,12 +67,83 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         if user_of(action, stage.num_stages) is not None:
             if result is None:  # only after an error: the neighbour still gets the tensor it waits for
                 result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
-            produced[result_of(action)] = result
-    flush()
-    for transfers in in_flight:
-        transfers.wait()
-    assert not received and not produced, f"schedule left data unused: {list(received) + list(produced)}"
+            mailbox.hand_on(action, result)
+    mailbox.post()
+    mailbox.finish()
     return error
+
+
+class _Mailbox:
+    """A step's data between stages: results waiting for their send (or for the next stage on
+    this rank), comm actions waiting to be posted, and receives on their way.
+
+    Sends are kept until they complete, so their tensors stay alive, and all transfers are
+    waited for by `finish`.
+    """
+
+    def __init__(self, comm: PipeComm, step: StepData):
+        self.comm, self.step = comm, step
+        self.queued: list[Action] = []  # comm actions not posted yet
+        self.produced: dict[Action, torch.Tensor] = {}  # results for neighbours, by `result_of`
+        self.received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Transfers]] = {}  # by RECV action
+        self.in_flight: list[_Transfers] = []
+
+    def queue(self, action: Action) -> None:
+        self.queued.append(action)
+
+    def hand_on(self, action: Action, result: torch.Tensor) -> None:
+        """Keep a compute action's result for its SEND, or for the neighbouring stage on this rank."""
+        self.produced[result_of(action)] = result
+
+    def post(self) -> None:
+        """Start the queued sends and receives as one batch."""
+        ops, recv_keys = [], []
+        for action in self.queued:
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                compute = Kind.F if action.kind == Kind.SEND_F else Kind.B
+                tensor = self.produced.pop((compute, action.stage, action.mb))
+                peer = action.stage + 1 if compute == Kind.F else action.stage - 1
+                ops.append(("send", tensor, stage_to_rank(peer, self.comm.pp_size)))
+            else:
+                buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,
+                                     device=self.comm.device)
+                peer = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
+                ops.append(("recv", buffer, stage_to_rank(peer, self.comm.pp_size)))
+                recv_keys.append((action.kind, action.stage, action.mb))
+        self.queued.clear()
+        if not ops:
+            return
+        works = self.comm.post(ops)
+        if len(works) == len(ops):  # one handle per op (gloo): a receive waits for itself only
+            handles = [_Transfers([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
+        else:  # one handle for the coalesced batch (nccl): waiting only orders the GPU stream
+            handles = [_Transfers(works, [tensor for _, tensor, _ in ops])] * len(ops)
+        recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
+        self.received.update(zip(recv_keys, recvs))
+        # Forget transfers that have finished, so sent activations are not held to the end of the step.
+        self.in_flight = [transfers for transfers in self.in_flight if not transfers.finished()]
+        self.in_flight.extend(handles)
+
+    def take(self, action: Action, num_stages: int):
+        """A compute action's input: the microbatch, the neighbouring stage's result on this rank, or
+        the received tensor (waiting for its receive only); None for the last stage's backward, which
+        starts from its loss, and for W."""
+        source = input_of(action, num_stages)
+        if source is None:
+            return self.step.inputs[action.mb] if action.kind == Kind.F else None
+        if source in self.produced:
+            return self.produced.pop(source)
+        recv = Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B
+        buffer, transfers = self.received.pop((recv, action.stage, action.mb))
+        transfers.wait()
+        return buffer
+
+    def finish(self) -> None:
+        """Wait for every transfer of the step; the schedule must have used all its data."""
+        for transfers in self.in_flight:
+            transfers.wait()
+        assert not self.received and not self.produced, \
+            f"schedule left data unused: {list(self.received) + list(self.produced)}"
 
 
 def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torch.Tensor | None:
