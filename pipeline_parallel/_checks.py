@@ -7,10 +7,25 @@ import numbers
 
 
 def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
-    """`value` if it is an int (not a bool) of at least `minimum`, else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """`value` as an int if it is an integer (numpy's too, not a bool) of at least `minimum`, else a
+    ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}{hint}, got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """`value` if it is a bool, else a ValueError naming `name` (a string such as "no" would count as true)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_nonnegative(name: str, value, hint: str = "") -> float:
+    """`value` as a float if it is a finite real number >= 0 (numpy's too), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0{hint}, got {value!r}")
+    return float(value)
 
 
 def check_positive(name: str, value, allow_inf: bool = False, hint: str = "") -> float:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
-from ._checks import check_int
+from ._checks import check_int, check_nonnegative, check_positive
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,11 @@ class StageCosts:
     layer: float
     embedding: float = 0.0
     head: float = 0.0
+
+    def __post_init__(self):
+        check_positive("StageCosts.layer", self.layer)
+        check_nonnegative("StageCosts.embedding", self.embedding)
+        check_nonnegative("StageCosts.head", self.head)
 
 
 def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
@@ -42,7 +48,9 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     split (earlier stages take the remainder). Exact dynamic programme over split points:
     O(num_stages * num_layers^2), instant for real models.
     """
-    _check_stage_count(num_layers, num_stages)
+    num_layers, num_stages = _check_stage_count(num_layers, num_stages)
+    if costs is not None and not isinstance(costs, StageCosts):
+        raise TypeError(f"costs must be a StageCosts (see estimate_costs), got {costs!r:.100}")
     if costs is None:  # the even split: earlier stages take the remainder
         return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
@@ -86,15 +94,16 @@ def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: StageCosts)
 
 def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int) -> list[int]:
     """Validate user-given layers per stage; returns them as a list of ints."""
-    _check_stage_count(num_layers, num_stages)
+    num_layers, num_stages = _check_stage_count(num_layers, num_stages)
     counts = list(layer_counts)
     if len(counts) != num_stages:
         raise ValueError(
             f"layer_counts has {len(counts)} entries but there are {num_stages} pipeline stages; "
             f"give one layer count per stage"
         )
-    if any(not isinstance(c, int) or c < 1 for c in counts):
+    if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in counts):
         raise ValueError(f"layer_counts {counts}: every stage needs a whole number >= 1 of decoder layers")
+    counts = [int(c) for c in counts]
     if sum(counts) != num_layers:
         raise ValueError(f"layer_counts {counts} sum to {sum(counts)} but the model has {num_layers} decoder layers")
     return counts
@@ -109,10 +118,11 @@ def layer_ranges(layer_counts: list[int]) -> list[range]:
     return ranges
 
 
-def _check_stage_count(num_layers: int, num_stages: int) -> None:
-    check_int("num_stages", num_stages)
+def _check_stage_count(num_layers: int, num_stages: int) -> tuple[int, int]:
+    num_layers, num_stages = check_int("num_layers", num_layers), check_int("num_stages", num_stages)
     if num_stages > num_layers:
         raise ValueError(
             f"cannot split {num_layers} decoder layers into {num_stages} pipeline stages: every stage needs at "
             f"least one layer; use at most {num_layers} ranks or a model with more layers"
         )
+    return num_layers, num_stages

@@ -137,7 +137,7 @@ class Pipeline:
         if not forward_only and seq_len in self._programs:
             return self._programs[seq_len]
         program = rank_program(self.schedule, self.comm, self.num_microbatches, config, layer_counts, seq_len,
-                               forward_only=forward_only, split=self.split)
+                               forward_only=forward_only, split=None if forward_only else self.split)
         if not forward_only:
             self._programs[seq_len] = program
         return program

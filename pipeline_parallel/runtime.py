@@ -9,7 +9,7 @@ import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind, stage_to_rank
-from .schedules.actions import input_of, result_of, user_of
+from .schedules.actions import input_of, peer_stage, result_of, user_of
 from .stage import PipelineStage
 
 
@@ -99,16 +99,14 @@ class _Mailbox:
         """Start the queued sends and receives as one batch."""
         ops, recv_keys = [], []
         for action in self.queued:
+            peer = stage_to_rank(peer_stage(action), self.comm.pp_size)
             if action.kind in (Kind.SEND_F, Kind.SEND_B):
                 compute = Kind.F if action.kind == Kind.SEND_F else Kind.B
-                tensor = self.produced.pop((compute, action.stage, action.mb))
-                peer = action.stage + 1 if compute == Kind.F else action.stage - 1
-                ops.append(("send", tensor, stage_to_rank(peer, self.comm.pp_size)))
+                ops.append(("send", self.produced.pop((compute, action.stage, action.mb)), peer))
             else:
                 buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,
                                      device=self.comm.device)
-                peer = action.stage - 1 if action.kind == Kind.RECV_F else action.stage + 1
-                ops.append(("recv", buffer, stage_to_rank(peer, self.comm.pp_size)))
+                ops.append(("recv", buffer, peer))
                 recv_keys.append((action.kind, action.stage, action.mb))
         self.queued.clear()
         if not ops:

@@ -131,3 +131,24 @@ def test_check_layer_counts_accepts_valid_counts():
 def test_check_layer_counts_errors(counts, layers, stages, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         check_layer_counts(counts, layers, stages)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: balanced_layer_counts(8.5, 2), r"num_layers must be an integer >= 1, got 8\.5"),
+    (lambda: balanced_layer_counts(0, 1), r"num_layers must be an integer >= 1, got 0"),
+    (lambda: StageCosts(layer=float("inf")), r"StageCosts\.layer must be a finite number > 0, got inf"),
+    (lambda: StageCosts(layer=float("nan")), r"StageCosts\.layer must be a finite number > 0, got nan"),
+    (lambda: StageCosts(layer=-1.0), r"StageCosts\.layer must be a finite number > 0, got -1\.0"),
+    (lambda: StageCosts(layer=1.0, head=-2.0), r"StageCosts\.head must be a finite number >= 0, got -2\.0"),
+    (lambda: balanced_layer_counts(8, 2, [1.0, 0.0, 0.0]), r"costs must be a StageCosts \(see estimate_costs\)"),
+])
+def test_bad_arguments_of_the_split_are_clear_errors(call, error):
+    """A float layer count gave float counts that summed to more layers; an infinite layer cost gave no split."""
+    with pytest.raises((ValueError, TypeError), match=error):
+        call()
+
+
+def test_numpy_integers_are_layer_counts():
+    np = pytest.importorskip("numpy")
+    assert check_layer_counts([np.int64(5), np.int64(3)], 8, 2) == [5, 3]
+    assert balanced_layer_counts(np.int64(8), np.int64(2)) == [4, 4]

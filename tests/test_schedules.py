@@ -7,7 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
-from pipeline_parallel.schedules import B, F, Kind, gpipe, lower, makespan, one_f_one_b, simulate, validate
+from pipeline_parallel.schedules import (B, F, Kind, choose_split, gpipe, lower, makespan, one_f_one_b, simulate,
+                                         validate)
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -274,7 +275,7 @@ def test_simulate_refuses_a_negative_or_unknown_duration():
     schedule = one_f_one_b(2, 2)
     assert makespan(simulate(schedule, 2, lambda a: 1.0)) > 0
     for bad in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"the duration of .* is .*; every duration must be finite and >= 0"):
+        with pytest.raises(ValueError, match=r"the duration of F0\.0 must be a finite number >= 0, got "):
             simulate(schedule, 2, lambda a: bad)
 
 
@@ -293,9 +294,10 @@ def test_validator_catches_missing_backward():
 
 @pytest.mark.parametrize("backward, error", [
     ([I(1, 0)], r"must run F and B \(or I and W\) of stage 1, microbatch 0; it runs \['F', 'I'\]"),
-    ([I(1, 0), W(1, 0), B(1, 0)], r"it runs \['B', 'F', 'I', 'W'\]"),
+    ([I(1, 0), W(1, 0), B(1, 0)], r"rank 1 runs B1\.0, but that input gradient is made already: run one B, or an I"),
     ([W(1, 0), I(1, 0)], r"rank 1 runs W1\.0 before the I"),
-    ([I(1, 0), W(1, 0), W(1, 3)], r"rank 1 runs \[W1\.3\], but owns stages \[1\] and microbatches 0\.\.1"),
+    ([I(1, 0), W(1, 0), W(1, 3)], r"rank 1 runs W1\.3 before the I of that stage and microbatch"),
+    ([I(1, 0), W(1, 0), F(1, 3)], r"rank 1 runs \[F1\.3\], but the microbatches are 0\.\.1"),
 ])
 def test_validator_checks_split_backwards(backward, error):
     compute = gpipe(2, 2)
@@ -309,7 +311,7 @@ def test_validator_refuses_a_split_backward_on_the_first_stage():
     """The first stage has no input gradient to send: the runtime cannot run its backward as I and W."""
     compute = one_f_one_b(2, 3)
     compute[0] = [a for b in compute[0] for a in ([I(0, b.mb), W(0, b.mb)] if b.kind == Kind.B else [b])]
-    with pytest.raises(ScheduleError, match=r"rank 0 must run F and B of stage 0, microbatch 0; it runs \['F', 'I', 'W'\]"):
+    with pytest.raises(ScheduleError, match=r"rank 0 runs I0\.0, but the first stage has no input gradient to send early: run B"):
         validate(_lowered(compute), 2, 3)
 
 
@@ -324,7 +326,7 @@ def test_validator_catches_a_transfer_posted_twice():
     lowered = [list(actions) for actions in lower(gpipe(2, 2), 2)]
     lowered[0].append(Action(Kind.SEND_F, 0, 0))
     lowered[1].append(Action(Kind.RECV_F, 1, 0))
-    with pytest.raises(ScheduleError, match=r"rank 0 runs \[SEND_F0\.0\] more than once"):
+    with pytest.raises(ScheduleError, match=r"rank 0 runs SEND_F0\.0 more than once"):
         validate(lowered, 2, 2)
 
 
@@ -356,16 +358,17 @@ def test_validator_catches_swapped_send_order():
 def test_validator_catches_swapped_receive_order():
     schedule = build_schedule("1f1b", 3, 4)
     program = schedule[1]
-    i, j = program.index(Action(Kind.RECV_B, 1, 1)), program.index(Action(Kind.RECV_B, 1, 2))
-    program[i], program[j] = program[j], program[i]
+    # Both gradients are received before either is used, but in the other order than rank 2 sends them.
+    program.remove(Action(Kind.RECV_B, 1, 2))
+    program.insert(program.index(Action(Kind.RECV_B, 1, 1)), Action(Kind.RECV_B, 1, 2))
     with pytest.raises(ScheduleError, match="from rank 2 to rank 1.*matched in order"):
         validate(schedule, 3, 4)
 
 
 @pytest.mark.parametrize("name, rank, removed, error", [
-    ("1f1b", 1, Action(Kind.RECV_F, 1, 1), "rank 1 expects nothing"),
-    # rank 1 computes mb 0 before rank 0 ever sends it: the send is missing altogether.
-    ("gpipe", 0, Action(Kind.SEND_F, 0, 0), "rank 0 sends .*but rank 1 expects the activation of stage 0, microbatch 0"),
+    ("1f1b", 1, Action(Kind.RECV_F, 1, 1), r"rank 1 runs F1\.1 without receiving its input first \(RECV_F1\.1 must come "
+     r"before it\); lower\(schedule, num_stages\) adds"),
+    ("gpipe", 0, Action(Kind.SEND_F, 0, 0), r"rank 0 runs F0\.0 but never sends its result \(SEND_F0\.0 must follow it\)"),
 ], ids=["missing-receive", "receive-never-sent"])
 def test_validator_catches_an_unmatched_message(name, rank, removed, error):
     schedule = build_schedule(name, 2, 2)
@@ -471,4 +474,94 @@ def test_simulate_reports_a_deadlock():
     from pipeline_parallel.schedules import simulate
 
     with pytest.raises(ScheduleError, match="deadlocks"):
-        simulate([[B(0, 0), F(0, 0)], [F(1, 0), B(1, 0)]], 2, lambda a: 1.0)
+        # rank 1 waits for F0.1, which rank 0 runs after B0.0, whose gradient rank 1 makes after F1.1
+        simulate([[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 1), F(1, 0), B(1, 0), B(1, 1)]], 2, lambda a: 1.0)
+
+
+# Hand-written lists given to the tools: each tool refuses what no rank could run, saying what to change ----------
+
+SEND_F, RECV_F = (lambda s, mb: Action(Kind.SEND_F, s, mb)), (lambda s, mb: Action(Kind.RECV_F, s, mb))
+
+
+@pytest.mark.parametrize("schedule, num_stages, error", [
+    ([[F(0, 0), B(0, 0)], [B(1, 0), F(1, 0)]], 2, r"rank 1 runs B1\.0 before the forward"),
+    ([[F(0, 0), B(0, 0)], [F(1, 0), W(1, 0), I(1, 0)]], 2, r"rank 1 runs W1\.0 before the I"),
+    ([[F(0, 0), F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]], 2, r"rank 0 runs F0\.0 more than once"),
+    ([[F(0, 0), F(1, 0), B(1, 0), B(0, 0)], [F(1, 1)]], 2, r"rank 0 runs F1\.0, but stage 1 belongs to rank 1"),
+    ([[F(0, 0), B(0, 0)], [F(5, 0), B(5, 0)]], 2, r"rank 1 runs F5\.0, but the stages are 0\.\.1"),
+    ([[F(0, 0), I(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]], 2, r"rank 0 runs I0\.0, but the first stage has no input"),
+    ([[F(0, -1), B(0, -1)], [F(1, -1), B(1, -1)]], 2, r"microbatches count from 0"),
+    (one_f_one_b(2, 1), 1, r"lists for 2 ranks but num_stages is 1; every rank runs at least one stage: is num_stages right\?"),
+    (one_f_one_b(2, 1), 3, r"no rank runs an action of stage 2 of 3: is num_stages right\?"),
+    ([[("F", 0, 0)], [F(1, 0)]], 2, r"item 0 of rank 0's list is \('F', 0, 0\), not an Action; build actions with F"),
+    ([["F0.0"], [F(1, 0)]], 2, r"item 0 of rank 0's list is 'F0\.0', not an Action"),
+    ([[Action("F", 0, 0)], [F(1, 0)]], 2, r"item 0 of rank 0's list is F0\.0, not an Action"),
+    ([], 2, r"a schedule is a list holding one list of actions per rank"),
+    ([[F(0, 0)], F(1, 0)], 2, r"a schedule is a list holding one list of actions per rank"),
+])
+def test_every_tool_refuses_a_list_no_rank_could_run(schedule, num_stages, error):
+    """simulate replayed these with times that broke its own rule (a B before its F, a W before its I,
+    a duplicate overwriting a time), lower added transfers to a stage that does not exist, and items that
+    are not Actions gave AttributeErrors."""
+    compute_only = all(not getattr(a, "kind", None) or not getattr(a.kind, "is_comm", False)
+                       for actions in schedule if isinstance(actions, list) for a in actions)
+    with pytest.raises(ScheduleError, match=error):
+        simulate(schedule, num_stages, lambda a: 1.0)
+    with pytest.raises(ScheduleError, match=error):
+        validate(schedule, num_stages, 1)
+    if compute_only:
+        with pytest.raises(ScheduleError, match=error):
+            lower(schedule, num_stages)
+
+
+def test_a_transfer_between_stages_on_one_rank_is_refused():
+    """One rank running stages 0 and 1 hands the activation over in memory; a SEND/RECV pair between them
+    passed the checks, and gloo then failed in the runtime ("Pair is not connected")."""
+    compute = [[F(0, 0), F(1, 0), B(1, 0), B(0, 0)]]
+    validate(lower(compute, 2), 2, 1)
+    assert lower(compute, 2) == compute  # nothing to transfer
+    with pytest.raises(ScheduleError, match=r"rank 0 runs SEND_F0\.0, but stage 1 is on the same rank, which hands "
+                                            r"the data over in memory: drop it"):
+        validate([[F(0, 0), SEND_F(0, 0), RECV_F(1, 0), F(1, 0), B(1, 0), B(0, 0)]], 2, 1)
+
+
+def test_a_transfer_with_a_stage_that_does_not_exist_is_refused():
+    """RECV_F on the first stage spoke of "the activation of stage -1"."""
+    schedule = lower(one_f_one_b(2, 1), 2)
+    schedule[0].insert(0, RECV_F(0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0 runs RECV_F0\.0, but stage 0 has no previous stage"):
+        validate(schedule, 2, 1)
+
+
+def test_a_list_of_compute_actions_given_to_validate_is_told_to_be_lowered():
+    with pytest.raises(ScheduleError, match=r"rank 0 runs F0\.0 but never sends its result \(SEND_F0\.0 must follow "
+                                            r"it\); lower\(schedule, num_stages\) adds the sends and receives"):
+        validate(one_f_one_b(2, 2), 2, 2)
+    with pytest.raises(ScheduleError, match=r"lower\(\) takes compute actions only, but the schedule holds SEND_F0\.0: it is lowered already"):
+        lower(lower(one_f_one_b(2, 2), 2), 2)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: gpipe(0, 4), r"num_stages must be an integer >= 1, got 0"),
+    (lambda: gpipe(-1, 4), r"num_stages must be an integer >= 1, got -1"),
+    (lambda: one_f_one_b(2, -3), r"num_microbatches must be an integer >= 1, got -3"),
+    (lambda: one_f_one_b(2, 1.0), r"num_microbatches must be an integer >= 1, got 1\.0"),
+    (lambda: validate(lower(one_f_one_b(2, 1), 2), 2, 0), r"num_microbatches must be an integer >= 1, got 0"),
+    (lambda: validate(lower(one_f_one_b(2, 1), 2), 2, 1.0), r"num_microbatches must be an integer >= 1, got 1\.0"),
+    (lambda: validate([[F(0, 0)]], 0, 1), r"num_stages must be an integer >= 1, got 0"),
+    (lambda: simulate(one_f_one_b(2, 1), 2, lambda a: 1.0, transfer=-1.0), r"transfer must be a finite number >= 0"),
+    (lambda: simulate(one_f_one_b(2, 1), 2, lambda a: 1.0, transfer=float("nan")), r"transfer must be a finite"),
+    (lambda: simulate(one_f_one_b(2, 1), 2, lambda a: 1.0, transfer=float("inf")), r"transfer must be a finite"),
+    (lambda: build_schedule("1f1b", 2, 4, prefetch="no"), r"prefetch must be True or False, got 'no'"),
+    (lambda: build_schedule("1f1b", 2, 4, forward_only=True, split=3),
+     r"split=3 with forward_only=True: a forward-only schedule has no backwards to split"),
+    (lambda: choose_split(one_f_one_b(3, 4), 3, [1.0, 1.0]), r"stage_costs has 2 entries but there are 3 stages"),
+])
+def test_bad_arguments_of_the_schedule_tools_are_clear_errors(call, error):
+    with pytest.raises(ValueError, match=error):
+        call()
+
+
+def test_numpy_integers_are_sizes():
+    np = pytest.importorskip("numpy")
+    assert build_schedule("1f1b", np.int64(2), np.int64(4)) == build_schedule("1f1b", 2, 4)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .._checks import check_int, check_positive
+from .._checks import check_bool, check_int
 from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
 from .lowering import lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import choose_split, estimated_duration, split_backwards
+from .split import choose_split, estimated_duration, relative_costs, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -27,22 +27,19 @@ def build_schedule(
     key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    check_int("num_stages", num_stages)
-    check_int("num_microbatches", num_microbatches)
-    if stage_costs is not None:
-        if len(stage_costs) != num_stages:
-            raise ValueError(f"stage_costs has {len(stage_costs)} entries but there are {num_stages} stages; "
-                             "give one relative cost per stage")
-        stage_costs = [check_positive(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
-        largest = max(stage_costs)
-        stage_costs = [cost / largest for cost in stage_costs]  # relative: large ones must not overflow
+    num_stages, num_microbatches = check_int("num_stages", num_stages), check_int("num_microbatches", num_microbatches)
+    check_bool("prefetch", prefetch)
+    check_bool("forward_only", forward_only)
+    if forward_only and split is not None:
+        raise ValueError(f"split={split!r} with forward_only=True: a forward-only schedule has no backwards to split")
+    stage_costs = relative_costs(stage_costs, num_stages)
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     elif split is not None:
-        compute = split_backwards(compute, num_stages, split, estimated_duration(stage_costs or [1.0] * num_stages))
+        compute = split_backwards(compute, num_stages, split, estimated_duration(stage_costs))
     else:
-        compute = choose_split(compute, num_stages, stage_costs or [1.0] * num_stages)
+        compute = choose_split(compute, num_stages, stage_costs)
     lowered = lower(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)

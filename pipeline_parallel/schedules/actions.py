@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from enum import Enum
 from typing import NamedTuple
+
+from .._checks import check_int
 
 
 class Kind(str, Enum):
@@ -35,7 +38,7 @@ class Action(NamedTuple):
     mb: int
 
     def __repr__(self) -> str:
-        return f"{self.kind.value}{self.stage}.{self.mb}"
+        return f"{getattr(self.kind, 'value', self.kind)}{self.stage}.{self.mb}"
 
 
 def F(stage: int, mb: int) -> Action:
@@ -83,6 +86,12 @@ def input_of(action: Action, num_stages: int) -> Action | None:
     return result_of(action._replace(stage=source)) if 0 <= source < num_stages else None
 
 
+def peer_stage(action: Action) -> int:
+    """The stage at the other end of a comm action's transfer: the next one for SEND_F and RECV_B,
+    the previous one for RECV_F and SEND_B."""
+    return action.stage + (1 if action.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+
+
 def stage_to_rank(stage: int, num_ranks: int) -> int:
     """Stages are dealt to ranks round-robin: one stage per rank, or several (interleaved) in a loop."""
     return stage % num_ranks
@@ -94,3 +103,64 @@ def stages_of_rank(rank: int, num_stages: int, num_ranks: int) -> list[int]:
 
 
 Schedule = list[list[Action]]  # one action list per rank
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute wrongly, mismatch messages or hang."""
+
+
+def check_well_formed(schedule: Schedule, num_stages: int) -> int:
+    """Raise ScheduleError unless `schedule` is something every tool can replay; returns `num_stages`.
+
+    That is: one list of Actions per rank, each on an existing stage that rank owns (see
+    `stage_to_rank`), every stage with some action, none listed twice, a B or I after the F of
+    its stage and microbatch and a W after its I, no I or W on the first stage (it has no input
+    gradient), one B or one I per stage and microbatch, and transfers only with a stage on another rank.
+    """
+    num_stages = check_int("num_stages", num_stages)
+    if (not isinstance(schedule, (list, tuple)) or not schedule
+            or not all(isinstance(actions, (list, tuple)) and not isinstance(actions, Action) for actions in schedule)):
+        raise ScheduleError(f"a schedule is a list holding one list of actions per rank, such as "
+                            f"[[F(0, 0), B(0, 0)]]; got {schedule!r:.200}")
+    num_ranks = len(schedule)
+    if num_ranks > num_stages:
+        raise ScheduleError(f"the schedule has lists for {num_ranks} ranks but num_stages is {num_stages}; every "
+                            "rank runs at least one stage: is num_stages right?")
+    present = set()
+    for rank, actions in enumerate(schedule):
+        seen = set()
+        for index, a in enumerate(actions):
+            where = f"rank {rank} runs {a!r}"
+            if not (isinstance(a, Action) and isinstance(a.kind, Kind) and all(
+                    isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (a.stage, a.mb))):
+                raise ScheduleError(f"item {index} of rank {rank}'s list is {a!r:.100}, not an Action; build actions "
+                                    "with F(stage, mb), B, I, W, or Action(Kind.SEND_F, stage, mb) and the like")
+            if not 0 <= a.stage < num_stages or a.mb < 0:
+                raise ScheduleError(f"{where}, but the stages are 0..{num_stages - 1} and microbatches count from 0")
+            if stage_to_rank(a.stage, num_ranks) != rank:
+                raise ScheduleError(f"{where}, but stage {a.stage} belongs to rank {stage_to_rank(a.stage, num_ranks)}: "
+                                    "stages are dealt to the ranks round-robin, stage s to rank s % (number of ranks)")
+            if a in seen:
+                raise ScheduleError(f"{where} more than once")
+            if a.kind.is_comm:
+                peer = peer_stage(a)
+                if not 0 <= peer < num_stages:
+                    raise ScheduleError(f"{where}, but stage {a.stage} has no {'next' if peer > a.stage else 'previous'} "
+                                        "stage to exchange data with")
+                if stage_to_rank(peer, num_ranks) == rank:
+                    raise ScheduleError(f"{where}, but stage {peer} is on the same rank, which hands the data over in "
+                                        "memory: drop it (lower() adds transfers between ranks only)")
+            elif a.kind in (Kind.I, Kind.W) and a.stage == 0:
+                raise ScheduleError(f"{where}, but the first stage has no input gradient to send early: run B")
+            elif a.kind in (Kind.B, Kind.I) and F(a.stage, a.mb) not in seen:
+                raise ScheduleError(f"{where} before the forward of that stage and microbatch")
+            elif a.kind == Kind.W and I(a.stage, a.mb) not in seen:
+                raise ScheduleError(f"{where} before the I of that stage and microbatch")
+            elif a.kind in (Kind.B, Kind.I) and (B(a.stage, a.mb) in seen or I(a.stage, a.mb) in seen):
+                raise ScheduleError(f"{where}, but that input gradient is made already: run one B, or an I and its W")
+            seen.add(a)
+            present.add(a.stage)
+    absent = sorted(set(range(num_stages)) - present)
+    if absent:
+        raise ScheduleError(f"no rank runs an action of stage {absent[0]} of {num_stages}: is num_stages right?")
+    return num_stages

@@ -14,11 +14,13 @@ microbatches at the peak, which is what 1F1B improves on.
 
 from __future__ import annotations
 
+from .._checks import check_int
 from .actions import B, F, Schedule
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """Per-rank compute actions: F of all microbatches, then B in reverse order."""
+    num_stages, num_microbatches = check_int("num_stages", num_stages), check_int("num_microbatches", num_microbatches)
     schedule = []
     for stage in range(num_stages):
         forwards = [F(stage, mb) for mb in range(num_microbatches)]

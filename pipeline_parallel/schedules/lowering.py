@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .actions import Action, Kind, Schedule, input_of, stage_to_rank, user_of
+from .actions import Action, Kind, Schedule, ScheduleError, check_well_formed, input_of, stage_to_rank, user_of
 
 
 def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
@@ -13,10 +13,15 @@ def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedul
     `prefetch`, the receive a compute action needs is posted one compute action earlier, so
     the transfer overlaps the work in between instead of sitting on the critical path.
     """
+    check_well_formed(schedule, num_stages)
+    lowered_already = next((a for actions in schedule for a in actions if a.kind.is_comm), None)
+    if lowered_already is not None:
+        raise ScheduleError(f"lower() takes compute actions only, but the schedule holds {lowered_already!r}: "
+                            "it is lowered already")
     num_ranks = len(schedule)
     lowered: Schedule = []
     for rank, actions in enumerate(schedule):
-        recvs = [_recv_for(a, num_stages, num_ranks) for a in actions]
+        recvs = [recv_for(a, num_stages, num_ranks) for a in actions]
         program: list[Action] = []
         if prefetch and recvs:
             program += recvs[0]
@@ -26,7 +31,7 @@ def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedul
             else:
                 program += recvs[i]
             program.append(action)
-            program += _send_for(action, num_stages, num_ranks)
+            program += send_for(action, num_stages, num_ranks)
         lowered.append(program)
     return lowered
 
@@ -35,14 +40,16 @@ def _remote(stage: int, peer: int | None, num_ranks: int) -> bool:
     return peer is not None and stage_to_rank(peer, num_ranks) != stage_to_rank(stage, num_ranks)
 
 
-def _send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+def send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+    """The SEND a compute action's result needs ([] if its user is on the same rank or there is none)."""
     if action.kind.is_comm or not _remote(action.stage, user_of(action, num_stages), num_ranks):
         return []
     kind = Kind.SEND_F if action.kind == Kind.F else Kind.SEND_B
     return [Action(kind, action.stage, action.mb)]
 
 
-def _recv_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+def recv_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
+    """The RECV a compute action's input needs ([] if it comes from the data or from this rank)."""
     source = input_of(action, num_stages)
     if source is None or not _remote(action.stage, source.stage, num_ranks):
         return []

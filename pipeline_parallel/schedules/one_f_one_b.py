@@ -15,11 +15,13 @@ activations instead of m: memory no longer grows with the number of microbatches
 
 from __future__ import annotations
 
+from .._checks import check_int
 from .actions import B, F, Schedule
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """Per-rank compute actions of the non-interleaved 1F1B schedule."""
+    num_stages, num_microbatches = check_int("num_stages", num_stages), check_int("num_microbatches", num_microbatches)
     schedule = []
     for stage in range(num_stages):
         warmup = min(num_stages - stage - 1, num_microbatches)

@@ -6,8 +6,8 @@ import heapq
 import itertools
 from typing import Callable
 
-from .actions import Action, Kind, Schedule, W, input_of, result_of, stage_to_rank
-from .validate import ScheduleError
+from .._checks import check_bool, check_nonnegative
+from .actions import Action, Kind, Schedule, ScheduleError, W, check_well_formed, input_of, result_of, stage_to_rank
 
 _HELD = {Kind.F: 1, Kind.B: -1, Kind.W: -1}  # microbatches whose activations a rank holds
 
@@ -31,8 +31,12 @@ def simulate(
 
     With `split_waited`, a B whose input gradient another rank would otherwise wait for runs as
     I (its W placed as above): the gradient is handed on a weight pass sooner exactly where that
-    shortens someone's wait.
+    shortens someone's wait. A list no rank could run as given raises ScheduleError (see
+    `check_well_formed`); `validate` checks the rest (every microbatch, matching transfers).
     """
+    num_stages = check_well_formed(schedule, num_stages)
+    transfer = check_nonnegative("transfer", transfer, hint=" (the time a transfer between ranks takes)")
+    check_bool("split_waited", split_waited)
     duration = _checked(duration)
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
@@ -124,10 +128,4 @@ def makespan(times: dict[Action, tuple[float, float]]) -> float:
 
 def _checked(duration: Callable[[Action], float]) -> Callable[[Action], float]:
     """`duration`, raising a clear error for a time that is negative, infinite or not a number."""
-    def checked(action: Action) -> float:
-        seconds = duration(action)
-        if not 0 <= seconds < float("inf"):
-            raise ValueError(f"the duration of {action} is {seconds!r}; every duration must be finite and >= 0")
-        return seconds
-
-    return checked
+    return lambda action: check_nonnegative(f"the duration of {action!r}", duration(action))

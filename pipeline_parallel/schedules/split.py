@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._checks import check_int
+from .._checks import check_int, check_positive
 from .actions import Action, I, Kind, Schedule, stage_to_rank
 from .simulate import makespan, simulate
 
@@ -40,11 +40,25 @@ def _placed(schedule: Schedule, num_stages: int, num_split: int, duration, split
     return result, makespan(times)
 
 
+def relative_costs(stage_costs: list[float] | None, num_stages: int) -> list[float]:
+    """Checked relative forward costs per stage, the largest 1 (large ones must not overflow); all 1 if None."""
+    if stage_costs is None:
+        return [1.0] * num_stages
+    if isinstance(stage_costs, (str, bytes)) or not hasattr(stage_costs, "__len__"):
+        raise ValueError(f"stage_costs must be a list of one relative cost per stage, got {stage_costs!r:.200}")
+    if len(stage_costs) != num_stages:
+        raise ValueError(f"stage_costs has {len(stage_costs)} entries but there are {num_stages} stages; "
+                         "give one relative cost per stage")
+    costs = [check_positive(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
+    return [cost / max(costs) for cost in costs]
+
+
 def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
     """The cost model the split is chosen with: a stage's forward costs `stage_costs[stage]`, its
     backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2."""
     share = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 + SPLIT_OVERHEAD, Kind.W: 1.0 + SPLIT_OVERHEAD}
-    return lambda action: stage_costs[action.stage] * share[action.kind]
+    costs = relative_costs(stage_costs, len(stage_costs))
+    return lambda action: costs[action.stage] * share[action.kind]
 
 
 def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:
@@ -57,7 +71,7 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
     earlier stage idles until its first gradient). A candidate is kept only if strictly faster
     than every one before it, so a tie goes to the plan tried first (fewer last backwards).
     """
-    duration = estimated_duration(stage_costs)
+    duration = estimated_duration(relative_costs(stage_costs, num_stages))
     best, best_time = _placed(schedule, num_stages, 0, duration)
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, 4 * num_stages)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
-from .actions import Action, Kind, Schedule, input_of, result_of, stage_to_rank, stages_of_rank
-from .lowering import message
+from .._checks import check_bool, check_int
+from .actions import (Action, Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_stage, result_of,
+                      stage_to_rank, stages_of_rank)
+from .lowering import message, recv_for, send_for
 
-
-class ScheduleError(ValueError):
-    """A schedule that would compute wrongly, mismatch messages or hang."""
+_LOWER_HINT = "; lower(schedule, num_stages) adds the sends and receives of a list of compute actions"
 
 
 def validate(
@@ -25,8 +25,13 @@ def validate(
     follows NCCL: each rank's batches of transfers run one after another, and a batch ends only
     when all of its transfers have met their peers.
     """
+    num_stages = check_well_formed(lowered, num_stages)
+    num_microbatches = check_int("num_microbatches", num_microbatches)
+    check_bool("forward_only", forward_only)
+    check_bool("in_order", in_order)
     num_ranks = len(lowered)
     _check_compute_coverage(lowered, num_stages, num_microbatches, forward_only)
+    _check_transfers_listed(lowered, num_stages)
     _check_channels(lowered, num_ranks)
     _check_progress(lowered, num_stages, num_ranks)
     if in_order:
@@ -39,11 +44,10 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
     for rank, actions in enumerate(lowered):
         stages = stages_of_rank(rank, num_stages, num_ranks)
         seen = [a for a in actions if not a.kind.is_comm]
-        unexpected = sorted(a for a in seen if a.stage not in stages or not 0 <= a.mb < num_microbatches
-                            or (forward_only and a.kind != Kind.F))
+        unexpected = sorted(a for a in seen if a.mb >= num_microbatches or (forward_only and a.kind != Kind.F))
         if unexpected:
-            raise ScheduleError(f"rank {rank} runs {unexpected}, but owns stages {stages} and microbatches "
-                                f"0..{num_microbatches - 1}" + (" and runs forwards only" if forward_only else ""))
+            raise ScheduleError(f"rank {rank} runs {unexpected}, but the microbatches are 0..{num_microbatches - 1}"
+                                + (" and it runs forwards only" if forward_only else ""))
         kinds = defaultdict(set)
         for a in seen:
             kinds[(a.stage, a.mb)].add(a.kind)
@@ -56,28 +60,34 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
                     need = "F" if forward_only else "F and B" + ("" if stage == 0 else " (or I and W)")
                     raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
                                         f"it runs {sorted(k.value for k in got) or 'nothing'}")
-        duplicates = {a for a, count in Counter(actions).items() if count > 1}
-        if duplicates:  # coverage above counts kinds; a value is computed, sent and received once
-            raise ScheduleError(f"rank {rank} runs {sorted(duplicates)} more than once")
-        done = set()  # compute actions run so far, and their results
+
+
+def _check_transfers_listed(lowered: Schedule, num_stages: int) -> None:
+    """Each compute action receives its input from another rank before it and sends its result to
+    another rank after it, as `lower` lays them out, and no send comes before what it sends."""
+    num_ranks = len(lowered)
+    for rank, actions in enumerate(lowered):
+        listed, done = set(actions), set()  # done: compute actions run so far, their results, and receives posted
         for a in actions:
-            if a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.stage, a.mb) not in done:
-                raise ScheduleError(f"rank {rank} runs {a!r} before the forward of that stage and microbatch")
-            if a.kind == Kind.W and Action(Kind.I, a.stage, a.mb) not in done:
-                raise ScheduleError(f"rank {rank} runs {a!r} before the I of that stage and microbatch")
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 sent = Action(Kind.F if a.kind == Kind.SEND_F else Kind.B, a.stage, a.mb)  # a B or an I makes it
                 if sent not in done:
                     raise ScheduleError(f"rank {rank} posts {a!r} before it computes what that sends")
             elif not a.kind.is_comm:
-                done.update({a, result_of(a)})
+                for recv in recv_for(a, num_stages, num_ranks):
+                    if recv not in done:
+                        raise ScheduleError(f"rank {rank} runs {a!r} without receiving its input first ({recv!r} "
+                                            f"must come before it){_LOWER_HINT}")
+                for send in send_for(a, num_stages, num_ranks):
+                    if send not in listed:
+                        raise ScheduleError(f"rank {rank} runs {a!r} but never sends its result ({send!r} must follow "
+                                            f"it){_LOWER_HINT}")
+                done.add(result_of(a))
+            done.add(a)
 
 
 def _peer(action, num_ranks: int) -> int:
-    direction, sender, _ = message(action)
-    if action.kind in (Kind.SEND_F, Kind.SEND_B):
-        return stage_to_rank(sender + 1 if direction == "F" else sender - 1, num_ranks)
-    return stage_to_rank(sender, num_ranks)
+    return stage_to_rank(peer_stage(action), num_ranks)
 
 
 def _check_channels(lowered: Schedule, num_ranks: int) -> None:
