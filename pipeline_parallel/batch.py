@@ -105,7 +105,11 @@ def agree_on_batch(
     return BatchInfo(batch_size, seq_len, num_targets)
 
 
-_HINTS = {"mode": "every rank must call step() together, or evaluate() together"}
+_HINTS = {
+    "mode": "every rank must call step() together, or evaluate() together",
+    "tied_embedding": "model.lm_head.weight is model.model.embed_tokens.weight on some ranks only; tie them on "
+                      "every rank (model.tie_weights()) or on none",
+}
 
 
 def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None,
@@ -130,7 +134,8 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     if differ:  # the same on every rank, so they all gather the details together
         described = [f"{name!r} ({differences(comm.all_gather_object(details[name]))})" if name in details
                      else repr(name) for name in differ]
-        what = _HINTS.get(differ[0]) if len(differ) == 1 else None
+        # A setting with a hint is the cause to name (a tie on some ranks also changes the parameters they list).
+        what = "; ".join(_HINTS[name] for name in differ if name in _HINTS)
         what = what or f"every rank must construct the pipeline and call the step with the same {' and '.join(differ)}"
         raise ValueError(f"the pipeline ranks disagree on {', '.join(described)}: {what}")
     return rows

@@ -8,7 +8,8 @@ from torch import nn
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import DecoderParts, check_layout, check_shared_parameters, model_settings, tied_weight_end
+from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, model_settings,
+                             tied_weight_end, weights_on_meta)
 from .partition import balanced_layer_counts, layer_ranges
 from .pipeline import rank_program
 from .runtime import StepData, run_step
@@ -41,12 +42,16 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     first, last = stage_idx == 0, stage_idx == num_stages - 1
 
     # Every local check feeds the shared agreement below, so a rank that fails alone fails them all.
-    input_ids = labels = None
+    input_ids = labels = tied = None
     num_layers, vocab_size, model_config = 0, 0, {}
     try:
         check_layout(model)
-        num_layers, vocab_size = len(model.model.layers), model.config.vocab_size
+        num_layers, vocab_size, tied = len(model.model.layers), model.config.vocab_size, is_tied(model)
         model_config = model_settings(model.config)
+        if weights_on_meta(model):
+            raise ValueError("the model's weights are on the meta device, without values: the classic API trains "
+                             "the model as given, so load or initialise its weights first (pp.Pipeline "
+                             "initialises a model built on meta)")
         layer_counts = balanced_layer_counts(num_layers, num_stages)  # even split, as the classic API promises
         check_shared_parameters(model, layer_ranges(layer_counts), hint="the classic API splits the layers evenly; "
                                 "Pipeline(..., layer_counts=...) can keep the layers sharing it on one stage")
@@ -57,7 +62,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         error = e
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
-                           num_layers=num_layers, model_config=model_config)
+                           num_layers=num_layers, model_config=model_config, tied_embedding=tied)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
                           vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
                           local_error=error, details={"model_config": model_config})
@@ -75,8 +80,24 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
     program = rank_program(schedule, comm, num_microbatches, model.config, layer_counts, info.seq_len)
-    loss = run_step(program, stage, comm, step, tied_weight_end(model, num_stages, first, last))
+    tied_weight = tied_weight_end(model, num_stages, first, last)
+    _share_tied_values(comm, tied_weight, first, last, tied=tied and num_stages > 1)
+    loss = run_step(program, stage, comm, step, tied_weight)
     return loss if last else None
+
+
+def _share_tied_values(comm: PipeComm, tied_weight, first: bool, last: bool, tied: bool) -> None:
+    """Make the last rank's LM head hold the first rank's embedding, as tying does in one process, if
+    the ranks' models were initialised apart. A checksum tells, so equal ends cost no transfer."""
+    if not tied:
+        return
+    checksum = None
+    if first or last:
+        values = tied_weight.detach().double()
+        checksum = (float(values.sum()), float((values * values).sum()))
+    checksums = comm.all_gather_object(checksum)
+    if checksums[0] != checksums[-1] and (first or last):
+        comm.copy_from_first_(tied_weight.data, first)
 
 
 def _dtype_error(dtype) -> str | None:

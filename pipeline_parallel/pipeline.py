@@ -12,8 +12,8 @@ from ._checks import check_int, check_positive
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, keep_local_part, materialize,
-                             model_settings, tied_weight_end, weights_on_meta)
+from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, keep_local_part,
+                             materialize, model_settings, tied_weight_end, weights_on_meta)
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
 from .schedules import build_schedule
@@ -81,23 +81,23 @@ class Pipeline:
             model_config=model_config,
         )
         self._programs: dict[int, list] = {}  # training program per sequence length
-        on_meta = dtypes = None
+        on_meta = dtypes = tied = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             if device_error:
                 raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
-            dtypes = _parameter_dtypes(model)
+            dtypes, tied = _parameter_dtypes(model), is_tied(model)
             # The residual stream between stages keeps the embedding's dtype (autocast computes in
             # lower precision but adds in it), whatever dtype the stage's own layers hold.
             self.activation_dtype = model.model.embed_tokens.weight.dtype
         except (TypeError, ValueError) as e:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
-        local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes)
+        local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes, tied_embedding=tied)
         agree_on_settings(self.comm, {**self._settings, **local}, local_error=error,
-                          details={"model_config": model_config})
+                          details={"model_config": model_config, "parameter_dtypes": dict(dtypes or ())})
         self.config = model.config
 
         tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
@@ -166,7 +166,8 @@ class Pipeline:
             local_error=self._changed() or (inference_mode_error() if training else None),
         )
         if info.num_target_tokens == 0:
-            raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to train on")
+            raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to "
+                             f"{'train on' if training else 'evaluate'}; give a batch with at least one target token")
         m = self.num_microbatches
         step = StepData(
             activation_shape=(info.batch_size // m, info.seq_len, self.config.hidden_size),

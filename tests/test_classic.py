@@ -225,3 +225,28 @@ def test_classic_float64_keeps_float64_loss_and_gradients():
     assert loss == pytest.approx(ref_loss, abs=1e-12)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, r.grad, atol=1e-12, rtol=0, msg=name)
+
+
+def _tied_apart_worker(rank, world_size):
+    """Each rank initialised its own copy of the tied matrix (no shared seed), so the ends differ."""
+    case = Case("tied-apart", "1f1b", 2, tie=True, hooks=False)
+    inputs, targets = _microbatches(case, 0)
+    model = _model(case)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.1 * rank)
+    loss = pp.train_step_pipeline_1f1b(model, inputs, targets, "cpu", torch.float32)
+    return loss, model.model.embed_tokens.weight.detach().clone(), grads(model)
+
+
+def test_classic_tied_ends_initialised_apart_take_the_first_ranks_embedding():
+    """As tying does in one process and as Pipeline does: the last rank's LM head becomes rank 0's embedding
+    (it stayed its own, so the step trained a head that was not the embedding)."""
+    (_, first_weight, first_grads), (loss, last_weight, last_grads) = run_distributed(_tied_apart_worker, 2,
+                                                                                       timeout=TIMEOUT)
+    case = Case("tied-apart", "1f1b", 2, tie=True, hooks=False)
+    ref_loss, ref_grads, _, names = _reference(case, 0)  # rank 0's model, in one process
+    assert torch.equal(first_weight, last_weight)
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    for got in (first_grads, last_grads):
+        torch.testing.assert_close(got["model.embed_tokens.weight"], ref_grads["model.embed_tokens.weight"],
+                                   atol=1e-5, rtol=0)

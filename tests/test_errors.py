@@ -98,6 +98,23 @@ def shared_mlp(first: int, second: int):
     return model
 
 
+def _tied_loaded_with_assign():
+    """A tied Llama built on meta and loaded as the README says: load_state_dict(assign=True) leaves its
+    embedding and LM head two Parameters on one storage (trained apart on two ranks, they drifted)."""
+    model = build("llama", 4, tie=True, meta=True)
+    model.load_state_dict(build("llama", 4, tie=True).state_dict(), assign=True)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    return model
+
+
+def _untied_on_last_rank(rank, world_size):
+    """A tied Llama, except that on the last rank the LM head got a Parameter of its own."""
+    model = build("llama", 4, tie=True)
+    if rank == world_size - 1:
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
 def _in_inference_mode(fn):
     with torch.inference_mode():
         return fn()
@@ -115,6 +132,14 @@ OK_OR_VALUE_ERROR = "ok, or ValueError on every rank"
 # name -> (what every rank runs: fn(rank, world_size, group), expected exception type(s), message regex)
 PIPELINE_CASES = {
     # construction
+    "tied-on-some-ranks": (lambda r, w, g: pp.Pipeline(_untied_on_last_rank(r, w), group=g, device="cpu"),
+                           ValueError, r"ranks disagree on .*'tied_embedding'.*some ranks only; tie them on every rank"),
+    "tied-loaded-with-assign": (lambda r, w, g: pp.Pipeline(_tied_loaded_with_assign(), group=g, device="cpu"),
+                                ValueError, r"model.embed_tokens.weight \(stage 0\) and lm_head.weight \(stage 1\) "
+                                r"are two Parameters holding the same values.*call model.tie_weights\(\)"),
+    "evaluate-every-label-ignored": (lambda r, w, g: _step_with(g, y=torch.full_like(Y, -100), evaluate=True),
+                                     ValueError, r"every label of the batch is -100 \(ignored\): there is nothing "
+                                     r"to evaluate"),
     "unknown-schedule": (lambda r, w, g: _pipe(g, schedule="zigzag"), ValueError,
                          r"unknown schedule 'zigzag'.*choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "bad-split": (lambda r, w, g: _pipe(g, split="all"), ValueError,
@@ -168,7 +193,7 @@ PIPELINE_CASES = {
     "mismatch-model-type": (lambda r, w, g: pp.Pipeline(build("llama" if r == 0 else "qwen2", 4), device="cpu",
                                                         group=g, num_microbatches=2), ValueError,
                             r"ranks disagree on 'model_config' \(.*model_type: 'llama' on rank 0, 'qwen2' on "
-                            r"rank 1.*\), 'parameter_dtypes': every rank must construct the pipeline and call the "
+                            r"rank 1.*\), 'parameter_dtypes' \(.*q_proj.bias: None on rank 0, 'torch.float32' on rank 1.*\): every rank must construct the pipeline and call the "
                             r"step with the same model_config and parameter_dtypes"),
     "module-replaced-after-construction": (lambda r, w, g: _replaced_head(g, r == w - 1).step(X, Y), ValueError,
                                            r"pipeline rank \d: lm_head of the model was replaced after the Pipeline "
@@ -289,6 +314,15 @@ def _one_layer_less(model):
 XS, YS = list(X.chunk(2)), list(Y.chunk(2))
 
 CLASSIC_CASES = {
+    "classic-tied-on-some-ranks": (lambda r, w, g: _classic(model=_untied_on_last_rank(r, w)), ValueError,
+                                   r"ranks disagree on 'tied_embedding'.*some ranks only; tie them on every rank"),
+    "classic-tied-loaded-with-assign": (lambda r, w, g: _classic(model=_tied_loaded_with_assign()), ValueError,
+                                        r"model.embed_tokens.weight \(stage 0\) and lm_head.weight \(stage 1\) are two "
+                                        r"Parameters holding the same values.*call model.tie_weights\(\)"),
+    # one rank's model on meta: it failed in module.to() after the others had gone on to wait for it (a hang)
+    "classic-model-on-meta-on-the-last-rank": (lambda r, w, g: _classic(model=build("llama", 4, meta=r == w - 1)),
+                                               ValueError, r"pipeline rank 1: the model's weights are on the meta "
+                                               r"device, without values: .* load or initialise its weights first"),
     "classic-list-lengths": (lambda r, w, g: _classic(XS, YS + [YS[0]]), ValueError,
                              r"got 2 input microbatches but 3 target microbatches; give one target per input"),
     "classic-target-shape": (lambda r, w, g: _classic(XS, [YS[0], YS[1][:, :-1]]), ValueError,

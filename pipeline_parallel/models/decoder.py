@@ -93,21 +93,42 @@ def check_shared_parameters(model: nn.Module, stage_layers: list[range], hint: s
     tied embedding and LM head (the runtime adds up the gradients of its two ends).
 
     Each stage computes only its own part of a weight's gradient: a weight shared by layers on two
-    stages would be updated differently at each end and drift apart. `hint` says how to split instead.
+    stages would be updated differently at each end and drift apart. Two Parameters that are views
+    of the same values are one weight too, which `load_state_dict(..., assign=True)` makes of a
+    tied embedding and head. `hint` says how to split instead.
     """
     num_stages = len(stage_layers)
-    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {stage: its first name there}
+    owners: dict[tuple, dict[int, tuple[str, nn.Parameter]]] = {}  # weight -> {stage: (its first name, Parameter)}
     for stage, indices in enumerate(stage_layers):
         for prefix, module in DecoderParts.of(model, indices, stage == 0, stage == num_stages - 1).named_modules():
             for name, param in module.named_parameters(prefix, remove_duplicate=False):
-                owners.setdefault(id(param), {}).setdefault(stage, name)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+                owners.setdefault(_weight_identity(param), {}).setdefault(stage, (name, param))
+    embedding = model.model.embed_tokens.weight
     for key, stages in owners.items():
-        if len(stages) == 1 or (tied and key == id(model.lm_head.weight) and set(stages) == {0, num_stages - 1}):
+        if len(stages) == 1 or (is_tied(model) and key == _weight_identity(embedding)
+                                and set(stages) == {0, num_stages - 1}):
             continue
-        where = " and ".join(f"{name} (stage {stage})" for stage, name in stages.items())
+        where = " and ".join(f"{name} (stage {stage})" for stage, (name, _) in stages.items())
+        params = [param for _, param in stages.values()]
+        if any(param is not params[0] for param in params) and any(param is embedding for param in params):
+            raise ValueError(
+                f"{where} are two Parameters holding the same values, as load_state_dict(..., assign=True) "
+                "leaves a tied embedding and LM head: call model.tie_weights() to make them one Parameter again "
+                "(the pipeline keeps its two ends equal), or clone one to untie them")
         raise ValueError(f"{where} are one parameter, shared across pipeline stages: each stage would compute "
                          f"only its own part of its gradient; {hint}, or give each layer its own copy")
+
+
+def is_tied(model: nn.Module) -> bool:
+    """Whether the model's input embedding and LM head are one Parameter."""
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _weight_identity(param: torch.Tensor) -> tuple:
+    """What makes two parameters one weight: being one Parameter, or views of the same values."""
+    if param.is_meta or param.data_ptr() == 0:  # no values to share
+        return ("parameter", id(param))
+    return ("values", str(param.device), param.data_ptr(), tuple(param.shape), param.stride())
 
 
 # Config entries that say how a rank loaded or runs its model, not what the model computes.
@@ -143,7 +164,7 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
     When input and output embeddings are one matrix and the first and last stages differ, each
     end computes part of its gradient; the runtime adds the two parts together.
     """
-    if num_stages == 1 or not (first or last) or model.lm_head.weight is not model.model.embed_tokens.weight:
+    if num_stages == 1 or not (first or last) or not is_tied(model):
         return None
     return model.model.embed_tokens.weight
 
