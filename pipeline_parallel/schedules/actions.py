@@ -130,37 +130,46 @@ def check_well_formed(schedule: Schedule, num_stages: int) -> int:
     for rank, actions in enumerate(schedule):
         seen = set()
         for index, a in enumerate(actions):
-            where = f"rank {rank} runs {a!r}"
-            if not (isinstance(a, Action) and isinstance(a.kind, Kind) and all(
-                    isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (a.stage, a.mb))):
+            if not (isinstance(a, Action) and isinstance(a.kind, Kind) and _is_int(a.stage) and _is_int(a.mb)):
                 raise ScheduleError(f"item {index} of rank {rank}'s list is {a!r:.100}, not an Action; build actions "
                                     "with F(stage, mb), B, I, W, or Action(Kind.SEND_F, stage, mb) and the like")
-            if not 0 <= a.stage < num_stages or a.mb < 0:
-                raise ScheduleError(f"{where}, but the stages are 0..{num_stages - 1} and microbatches count from 0")
-            if stage_to_rank(a.stage, num_ranks) != rank:
-                raise ScheduleError(f"{where}, but stage {a.stage} belongs to rank {stage_to_rank(a.stage, num_ranks)}: "
-                                    "stages are dealt to the ranks round-robin, stage s to rank s % (number of ranks)")
-            if a in seen:
-                raise ScheduleError(f"{where} more than once")
-            if a.kind.is_comm:
-                peer = peer_stage(a)
-                if not 0 <= peer < num_stages:
-                    raise ScheduleError(f"{where}, but stage {a.stage} has no {'next' if peer > a.stage else 'previous'} "
-                                        "stage to exchange data with")
-                if stage_to_rank(peer, num_ranks) == rank:
-                    raise ScheduleError(f"{where}, but stage {peer} is on the same rank, which hands the data over in "
-                                        "memory: drop it (lower() adds transfers between ranks only)")
-            elif a.kind in (Kind.I, Kind.W) and a.stage == 0:
-                raise ScheduleError(f"{where}, but the first stage has no input gradient to send early: run B")
-            elif a.kind in (Kind.B, Kind.I) and F(a.stage, a.mb) not in seen:
-                raise ScheduleError(f"{where} before the forward of that stage and microbatch")
-            elif a.kind == Kind.W and I(a.stage, a.mb) not in seen:
-                raise ScheduleError(f"{where} before the I of that stage and microbatch")
-            elif a.kind in (Kind.B, Kind.I) and (B(a.stage, a.mb) in seen or I(a.stage, a.mb) in seen):
-                raise ScheduleError(f"{where}, but that input gradient is made already: run one B, or an I and its W")
+            problem = _problem(a, rank, num_ranks, num_stages, seen)
+            if problem:
+                raise ScheduleError(f"rank {rank} runs {a!r}{problem}")
             seen.add(a)
             present.add(a.stage)
     absent = sorted(set(range(num_stages)) - present)
     if absent:
         raise ScheduleError(f"no rank runs an action of stage {absent[0]} of {num_stages}: is num_stages right?")
     return num_stages
+
+
+def _is_int(value) -> bool:
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def _problem(a: Action, rank: int, num_ranks: int, num_stages: int, seen: set) -> str | None:
+    """What is wrong with running `a` next on `rank` after the actions `seen` (see `check_well_formed`)."""
+    if not 0 <= a.stage < num_stages or a.mb < 0:
+        return f", but the stages are 0..{num_stages - 1} and microbatches count from 0"
+    if stage_to_rank(a.stage, num_ranks) != rank:
+        return (f", but stage {a.stage} belongs to rank {stage_to_rank(a.stage, num_ranks)}: stages are dealt to the "
+                "ranks round-robin, stage s to rank s % (number of ranks)")
+    if a in seen:
+        return " more than once"
+    if a.kind.is_comm:
+        peer = peer_stage(a)
+        if not 0 <= peer < num_stages:
+            return f", but stage {a.stage} has no {'next' if peer > a.stage else 'previous'} stage to exchange data with"
+        if stage_to_rank(peer, num_ranks) == rank:
+            return (f", but stage {peer} is on the same rank, which hands the data over in memory: drop it (lower() "
+                    "adds transfers between ranks only)")
+    elif a.kind in (Kind.I, Kind.W) and a.stage == 0:
+        return ", but the first stage has no input gradient to send early: run B"
+    elif a.kind in (Kind.B, Kind.I) and F(a.stage, a.mb) not in seen:
+        return " before the forward of that stage and microbatch"
+    elif a.kind == Kind.W and I(a.stage, a.mb) not in seen:
+        return " before the I of that stage and microbatch"
+    elif a.kind in (Kind.B, Kind.I) and (B(a.stage, a.mb) in seen or I(a.stage, a.mb) in seen):
+        return ", but that input gradient is made already: run one B, or an I and its W"
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from typing import Callable
 
 from .._checks import check_bool, check_nonnegative
@@ -37,7 +38,12 @@ def simulate(
     num_stages = check_well_formed(schedule, num_stages)
     transfer = check_nonnegative("transfer", transfer, hint=" (the time a transfer between ranks takes)")
     check_bool("split_waited", split_waited)
-    duration = _checked(duration)
+    return replay(schedule, num_stages, checked_duration(duration), transfer, split_waited)
+
+
+def replay(schedule: Schedule, num_stages: int, duration: Callable[[Action], float], transfer: float = 0.0,
+           split_waited: bool = False) -> dict[Action, tuple[float, float]]:
+    """`simulate` without checking its arguments, for schedules and durations the package made itself."""
     num_ranks = len(schedule)
     programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
     listed = {a for program in programs for a in program if a.kind == Kind.W}
@@ -126,6 +132,12 @@ def makespan(times: dict[Action, tuple[float, float]]) -> float:
     return max((end for _, end in times.values()), default=0.0)
 
 
-def _checked(duration: Callable[[Action], float]) -> Callable[[Action], float]:
+def checked_duration(duration: Callable[[Action], float]) -> Callable[[Action], float]:
     """`duration`, raising a clear error for a time that is negative, infinite or not a number."""
-    return lambda action: check_nonnegative(f"the duration of {action!r}", duration(action))
+    def checked(action: Action) -> float:
+        seconds = duration(action)
+        if isinstance(seconds, float) and 0 <= seconds < math.inf:  # the usual case, without building a name
+            return seconds
+        return check_nonnegative(f"the duration of {action!r}", seconds)
+
+    return checked
