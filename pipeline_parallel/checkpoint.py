@@ -194,6 +194,14 @@ def _commit(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _shortened(text: str, most: int = 300) -> str:
+    """`text` cut to about `most` characters at the end of a sentence, for an error message."""
+    if len(text) <= most:
+        return text
+    cut = text[:most]
+    return cut[: cut.rfind(". ") + 1] if ". " in cut else cut.rstrip() + "..."
+
+
 def _missing_parts(path: Path) -> list[str]:
     """The files of a complete checkpoint that `path` lacks (none: it is complete)."""
     return [name for name in (".metadata", META) if not (path / name).is_file()]
@@ -401,8 +409,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
     except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
         first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
-        first = first.splitlines()[0][:300]
-        raise _damaged(path, f"its tensors cannot be read, {first}; or it was saved from another model") from None
+        first = _shortened(first.splitlines()[0])
+        raise _damaged(path, f"its tensors cannot be read, or it was saved from another model: {first}") from None
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
@@ -413,6 +421,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
     elif rank == 0:  # one note for the run, not one per rank
-        logger.warning("%s was saved on %d ranks, loading on %d: RNG states not restored",
+        logger.warning("%s was saved on %d rank(s), loading on %d: RNG states not restored",
                        path, meta["world_size"], world_size)
     return meta["extra"]

@@ -372,6 +372,8 @@ def validate(cfg: Config, world_size: int) -> None:
           f"optim.lr_decay_steps {o.lr_decay_steps} must come after optim.warmup_steps {o.warmup_steps} "
           "(the cosine decays from the end of the warmup), or be 0 to decay until train.max_steps")
     check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
+    check(o.lr <= _FLOAT32_MAX * (1 - o.beta1), f"optim.lr {o.lr} is too large: AdamW's first step moves by up to "
+          f"lr / (1 - optim.beta1) = {o.lr / (1 - o.beta1):.3g}, beyond float32's range")
     check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
     check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")
     check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")

@@ -267,10 +267,12 @@ def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pipeline_parallel.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="pipeline_parallel.export",
+                                     description="Export a training checkpoint as one Hugging Face model (safetensors, "
+                                                 "config.json and the tokenizer's files).")
     parser.add_argument("path", help="run directory (uses its latest checkpoint) or checkpoint directory")
     parser.add_argument("--out", help="output directory (default: RUN_DIR/export)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the saved weights (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         out_dir, model, _ = export(args.path, args.out, args.dtype)

@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipeline_parallel.generate", description=__doc__.split("\n")[0])
     parser.add_argument("path", help="exported model directory, run directory or checkpoint directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token")
-    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all")
-    parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add to each sample (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 picks the most likely token (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: %(default)s)")
+    parser.add_argument("--num-samples", type=int, default=1, help="samples to print (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sample i is drawn with seed + i (default: %(default)s)")
     args = parser.parse_args(argv)
     for name, lowest in (("temperature", 0), ("top_k", 0), ("max_new_tokens", 0), ("num_samples", 1), ("seed", 0)):
         if not getattr(args, name) >= lowest:

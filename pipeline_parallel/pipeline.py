@@ -223,6 +223,7 @@ class Pipeline:
         return self.model.named_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of this rank's stage (as `nn.Module.zero_grad`), before the next step."""
         self.model.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

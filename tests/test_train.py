@@ -103,6 +103,10 @@ def test_config_errors(tmp_path, corpus):
         load_config(toml)
     cfg = make_cfg(tmp_path, corpus)
     validate(cfg, 4)
+    # In float32's range but not once AdamW's first step divides it by 1 - beta1: a traceback from the optimizer.
+    with pytest.raises(ConfigError, match=r"optim.lr 1e\+38 is too large: AdamW's first step moves by up to "
+                                          r"lr / \(1 - optim.beta1\) = 1e\+39, beyond float32's range"):
+        validate(with_overrides(cfg, **{"optim.lr": 1e38, "optim.min_lr": 0.0}), 4)
     with pytest.raises(ConfigError, match="the number of ranks: cannot split 4 decoder layers into 5 pipeline stages"):
         validate(cfg, 5)
     with pytest.raises(ConfigError, match="batch_size 6 is not divisible by pipeline.num_microbatches 4"):
