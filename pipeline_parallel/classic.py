@@ -11,7 +11,7 @@ from .loss import IGNORE_INDEX
 from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, model_settings,
                              tied_weight_end, weights_on_meta)
 from .partition import balanced_layer_counts, layer_ranges
-from .pipeline import rank_program
+from .pipeline import planning_costs, rank_program
 from .runtime import StepData, run_step
 from .stage import PipelineStage, inference_mode_error
 
@@ -79,7 +79,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         step.labels = [y.to(device, torch.long) for y in targets]
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
-    program = rank_program(schedule, comm, num_microbatches, model.config, layer_counts, info.seq_len)
+    costs = planning_costs(model.config, layer_counts, info.seq_len)
+    program = rank_program(schedule, comm, num_microbatches, costs)
     tied_weight = tied_weight_end(model, num_stages, first, last)
     _share_tied_values(comm, tied_weight, first, last, tied=tied and num_stages > 1)
     loss = run_step(program, stage, comm, step, tied_weight)

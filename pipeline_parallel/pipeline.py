@@ -20,13 +20,20 @@ from .schedules import build_schedule
 from .stage import PipelineStage, inference_mode_error
 
 
-def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, config, layer_counts: list[int],
-                 seq_len: int, forward_only: bool = False, split: int | None = None) -> list:
-    """This rank's validated action list of `schedule`, planned with the stage costs of these layer
-    counts at this sequence length (attention's share grows with it, the head's does not)."""
+def planning_costs(config, layer_counts: list[int], seq_len: int) -> tuple[float, ...]:
+    """Each stage's estimated cost at this sequence length (attention's share grows with it, the head's
+    does not), relative to the costliest and rounded to two significant digits: about the precision of
+    the estimate, and the key plans are kept under, so a run with thousands of sequence lengths plans a
+    few dozen times."""
     costs = stage_costs(layer_counts, estimate_costs(config, seq_len))
+    return tuple(float(f"{cost / max(costs):.2g}") for cost in costs)
+
+
+def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tuple[float, ...],
+                 forward_only: bool = False, split: int | None = None) -> list:
+    """This rank's validated action list of `schedule`, planned with these relative stage costs."""
     return build_schedule(schedule, comm.pp_size, num_microbatches, prefetch=comm.prefetch_receives,
-                          forward_only=forward_only, stage_costs=costs, split=split)[comm.pp_rank]
+                          forward_only=forward_only, stage_costs=list(costs), split=split)[comm.pp_rank]
 
 
 class Pipeline:
@@ -80,7 +87,7 @@ class Pipeline:
             autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed,
             model_config=model_config,
         )
-        self._programs: dict[int, list] = {}  # training program per sequence length
+        self._programs: dict[tuple, list] = {}  # training program per planning_costs
         on_meta = dtypes = tied = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             if device_error:
@@ -132,14 +139,15 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's action list for batches of `seq_len` (see `rank_program`); training ones are kept
-        per sequence length, since planning the split of backwards takes time."""
-        if not forward_only and seq_len in self._programs:
-            return self._programs[seq_len]
-        program = rank_program(self.schedule, self.comm, self.num_microbatches, config, layer_counts, seq_len,
+        """This rank's action list for batches of `seq_len`; training ones are kept per `planning_costs`,
+        since planning the split of backwards takes time (seconds at 32 stages)."""
+        costs = planning_costs(config, layer_counts, seq_len)
+        if not forward_only and costs in self._programs:
+            return self._programs[costs]
+        program = rank_program(self.schedule, self.comm, self.num_microbatches, costs,
                                forward_only=forward_only, split=None if forward_only else self.split)
         if not forward_only:
-            self._programs[seq_len] = program
+            self._programs[costs] = program
         return program
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:

@@ -538,3 +538,29 @@ def test_layers_in_another_dtype_than_the_embedding_under_autocast():
     """Stages hand on the embedding's dtype, the residual stream's, whatever their own layers hold."""
     for loss, want in run_distributed(_mixed_dtype_worker, 2, timeout=TIMEOUT):
         assert loss == pytest.approx(want, abs=2e-2)
+
+
+def test_sequence_lengths_with_near_costs_share_one_plan(monkeypatch):
+    """Planning the split of backwards takes seconds at 32 stages; it ran once per sequence length, so a
+    run whose lengths vary step to step planned at nearly every step. Plans are kept per relative stage
+    costs to two significant digits: 2,048 lengths of the small preset on 4 stages need 53 plans."""
+    from pipeline_parallel import pipeline as pipeline_module
+
+    calls = []
+    planned = pipeline_module.rank_program
+    monkeypatch.setattr(pipeline_module, "rank_program", lambda *args, **kwargs: calls.append(args) or
+                        planned(*args, **kwargs))
+    pipe = pp.Pipeline(build("llama", 4), num_microbatches=2, device="cpu")
+    calls.clear()
+    model = build("llama", 4)
+    for seq_len in (6, 7, 8, 9):
+        x, y = make_batch(4, seq_len, num_microbatches=2)
+        assert pipe.step(x, y) == pytest.approx(full_loss(model, x, y).item(), abs=1e-5)
+        pipe.zero_grad()
+    keys = {pipeline_module.planning_costs(pipe.config, pipe.layer_counts, seq_len) for seq_len in (6, 7, 8, 9)}
+    built_for = pipeline_module.planning_costs(pipe.config, pipe.layer_counts, 2048)  # Pipeline's default seq_len
+    assert len(calls) == len(keys - {built_for}) < 4, (calls, keys, built_for)
+    config = pp.models.LlamaConfig.from_preset("small")
+    counts = pp.balanced_layer_counts(8, 4, pp.estimate_costs(config, 2048))
+    keys = {pipeline_module.planning_costs(config, counts, seq_len) for seq_len in range(1, 2049)}
+    assert len(keys) == 53
