@@ -6,10 +6,25 @@ import math
 import numbers
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an integer (numpy's too), not a bool."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def _real(value) -> float | None:
+    """`value` as a float if it is a real number (numpy's, or a one-element tensor's), else None."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
     """`value` as an int if it is an integer (numpy's too, not a bool) of at least `minimum`, else a
     ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}{hint}, got {value!r}")
     return int(value)
 
@@ -22,10 +37,12 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_nonnegative(name: str, value, hint: str = "") -> float:
-    """`value` as a float if it is a finite real number >= 0 (numpy's too), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+    """`value` as a float if it is a finite real number >= 0 (numpy's or a 0-d tensor's too), else a
+    ValueError naming `name`."""
+    real = _real(value)
+    if real is None or not 0 <= real < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0{hint}, got {value!r}")
-    return float(value)
+    return real
 
 
 def check_positive(name: str, value, allow_inf: bool = False, hint: str = "") -> float:
@@ -33,7 +50,7 @@ def check_positive(name: str, value, allow_inf: bool = False, hint: str = "") ->
 
     With `allow_inf`, infinity is taken too (where it means "no bound"); `hint` says what values mean.
     """
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0
-            or (value == math.inf and not allow_inf)):
+    real = _real(value)
+    if real is None or not real > 0 or (real == math.inf and not allow_inf):
         raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number > 0{hint}, got {value!r}")
-    return float(value)
+    return real

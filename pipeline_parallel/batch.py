@@ -134,9 +134,10 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     if differ:  # the same on every rank, so they all gather the details together
         described = [f"{name!r} ({differences(comm.all_gather_object(details[name]))})" if name in details
                      else repr(name) for name in differ]
-        # A setting with a hint is the cause to name (a tie on some ranks also changes the parameters they list).
-        what = "; ".join(_HINTS[name] for name in differ if name in _HINTS)
-        what = what or f"every rank must construct the pipeline and call the step with the same {' and '.join(differ)}"
+        others = [name for name in differ if name not in _HINTS]
+        what = "; ".join([_HINTS[name] for name in differ if name in _HINTS] + (
+            [f"every rank must construct the pipeline and call the step with the same {' and '.join(others)}"]
+            if others else []))
         raise ValueError(f"the pipeline ranks disagree on {', '.join(described)}: {what}")
     return rows
 

@@ -89,13 +89,14 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
 
 def _share_tied_values(comm: PipeComm, tied_weight, first: bool, last: bool, tied: bool) -> None:
     """Make the last rank's LM head hold the first rank's embedding, as tying does in one process, if
-    the ranks' models were initialised apart. A checksum tells, so equal ends cost no transfer."""
+    the ranks' models were initialised apart. A checksum tells (one read of the matrix, no copy), so
+    equal ends cost no transfer; NaN weights always count as different, and are copied."""
     if not tied:
         return
     checksum = None
     if first or last:
-        values = tied_weight.detach().double()
-        checksum = (float(values.sum()), float((values * values).sum()))
+        values = tied_weight.detach()
+        checksum = (float(values.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(values, dtype=torch.float64)))
     checksums = comm.all_gather_object(checksum)
     if checksums[0] != checksums[-1] and (first or last):
         comm.copy_from_first_(tied_weight.data, first)

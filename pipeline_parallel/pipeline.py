@@ -107,7 +107,7 @@ class Pipeline:
                           details={"model_config": model_config, "parameter_dtypes": dict(dtypes or ())})
         self.config = model.config
 
-        tied = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
+        holds_tied_end = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
         materialize(model, self.device, seed)
@@ -115,7 +115,7 @@ class Pipeline:
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
         self._tied_weight = None
-        if tied:  # fetched after materialising, which may have replaced the Parameter
+        if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
             # The ends may hold different values (initialised apart, on meta or by the caller): as
             # tying does in one process, the head takes the embedding, the first stage's copy.
@@ -200,7 +200,7 @@ class Pipeline:
         runs the modules it found then, and transfers activations in the dtype it agreed on then."""
         try:
             modules = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
-            tied = self._tied_weight is not None and self._tied_weight is not (
+            tie_replaced = self._tied_weight is not None and self._tied_weight is not (
                 self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
         except (AttributeError, KeyError, IndexError) as e:
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
@@ -209,7 +209,7 @@ class Pipeline:
         if replaced:
             return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
                     "would go on running the old one; change the whole model before building the Pipeline from it")
-        if tied:
+        if tie_replaced:
             return ("the tied embedding's Parameter was replaced after the Pipeline was built (say, by "
                     "load_state_dict(assign=True)), and the step would go on adding the two ends' gradients into "
                     "the old one; load the weights in place, or before building the Pipeline")
@@ -267,5 +267,6 @@ def _check_autocast_dtype(dtype) -> None:
 
 
 def _parameter_dtypes(model: nn.Module) -> list[tuple[str, str]]:
-    return [(name, str(p.dtype)) for name, p in model.named_parameters()]
+    """Each parameter's dtype under every name it has (a tied LM head is listed, as untied it would be)."""
+    return [(name, str(p.dtype)) for name, p in model.named_parameters(remove_duplicate=False)]
 

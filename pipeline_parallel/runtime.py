@@ -9,7 +9,7 @@ import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind, stage_to_rank
-from .schedules.actions import input_of, peer_stage, result_of, user_of
+from .schedules.actions import input_of, peer_stage, recv_of, result_of, sent_by, user_of
 from .stage import PipelineStage
 
 
@@ -85,7 +85,7 @@ class _Mailbox:
         self.comm, self.step = comm, step
         self.queued: list[Action] = []  # comm actions not posted yet
         self.produced: dict[Action, torch.Tensor] = {}  # results for neighbours, by `result_of`
-        self.received: dict[tuple[Kind, int, int], tuple[torch.Tensor, _Transfers]] = {}  # by RECV action
+        self.received: dict[Action, tuple[torch.Tensor, _Transfers]] = {}  # by RECV action
         self.in_flight: list[_Transfers] = []
 
     def queue(self, action: Action) -> None:
@@ -101,13 +101,12 @@ class _Mailbox:
         for action in self.queued:
             peer = stage_to_rank(peer_stage(action), self.comm.pp_size)
             if action.kind in (Kind.SEND_F, Kind.SEND_B):
-                compute = Kind.F if action.kind == Kind.SEND_F else Kind.B
-                ops.append(("send", self.produced.pop((compute, action.stage, action.mb)), peer))
+                ops.append(("send", self.produced.pop(sent_by(action)), peer))
             else:
                 buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,
                                      device=self.comm.device)
                 ops.append(("recv", buffer, peer))
-                recv_keys.append((action.kind, action.stage, action.mb))
+                recv_keys.append(action)
         self.queued.clear()
         if not ops:
             return
@@ -131,8 +130,7 @@ class _Mailbox:
             return self.step.inputs[action.mb] if action.kind == Kind.F else None
         if source in self.produced:
             return self.produced.pop(source)
-        recv = Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B
-        buffer, transfers = self.received.pop((recv, action.stage, action.mb))
+        buffer, transfers = self.received.pop(recv_of(action))
         transfers.wait()
         return buffer
 

@@ -133,7 +133,13 @@ OK_OR_VALUE_ERROR = "ok, or ValueError on every rank"
 PIPELINE_CASES = {
     # construction
     "tied-on-some-ranks": (lambda r, w, g: pp.Pipeline(_untied_on_last_rank(r, w), group=g, device="cpu"),
-                           ValueError, r"ranks disagree on .*'tied_embedding'.*some ranks only; tie them on every rank"),
+                           ValueError, r"the pipeline ranks disagree on 'tied_embedding': model.lm_head.weight is "
+                           r"model.model.embed_tokens.weight on some ranks only; tie them on every rank"),
+    # with a hint for one difference, the others still say what to change
+    "tied-on-some-ranks-and-microbatches-differ": (
+        lambda r, w, g: pp.Pipeline(_untied_on_last_rank(r, w), group=g, device="cpu", num_microbatches=2 + r),
+        ValueError, r"disagree on 'num_microbatches', 'tied_embedding': model.lm_head.weight .* or on none; every "
+        r"rank must construct the pipeline and call the step with the same num_microbatches$"),
     "tied-loaded-with-assign": (lambda r, w, g: pp.Pipeline(_tied_loaded_with_assign(), group=g, device="cpu"),
                                 ValueError, r"model.embed_tokens.weight \(stage 0\) and lm_head.weight \(stage 1\) "
                                 r"are two Parameters holding the same values.*call model.tie_weights\(\)"),

@@ -7,8 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
-from pipeline_parallel.schedules import (B, F, Kind, choose_split, gpipe, lower, makespan, one_f_one_b, simulate,
-                                         validate)
+from pipeline_parallel.schedules import (B, F, Kind, choose_split, estimated_duration, gpipe, lower, makespan,
+                                         one_f_one_b, simulate, validate)
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -579,3 +579,24 @@ def test_bad_arguments_of_the_schedule_tools_are_clear_errors(call, error):
 def test_numpy_integers_are_sizes():
     np = pytest.importorskip("numpy")
     assert build_schedule("1f1b", np.int64(2), np.int64(4)) == build_schedule("1f1b", 2, 4)
+
+
+def test_choose_split_checks_the_schedule_it_is_given():
+    """It handed a list straight to the simulator: a stage on the wrong rank was moved, a duplicate dropped."""
+    with pytest.raises(ScheduleError, match=r"rank 0 runs F1\.0, but stage 1 belongs to rank 1"):
+        choose_split([[F(0, 0), F(1, 0), B(1, 0), B(0, 0)], []], 2, [1.0, 1.0])
+    with pytest.raises(ScheduleError, match=r"rank 1 runs B1\.0 more than once"):
+        choose_split([[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0), B(1, 0)]], 2, [1.0, 1.0])
+
+
+def test_estimated_duration_takes_the_costs_as_given():
+    duration = estimated_duration([0.0, 4.0])
+    assert duration(F(1, 0)) == 4.0 and duration(B(1, 0)) == 8.0 and duration(B(0, 0)) == 0.0
+    with pytest.raises(ValueError, match=r"stage_costs\[1\] must be a finite number >= 0, got -1\.0"):
+        estimated_duration([1.0, -1.0])
+
+
+def test_times_given_as_zero_dim_tensors_are_numbers():
+    torch = pytest.importorskip("torch")
+    times = simulate(one_f_one_b(2, 1), 2, lambda a: torch.tensor(1.0), transfer=torch.tensor(0.5))
+    assert makespan(times) == pytest.approx(4 * 1.0 + 2 * 0.5)  # F0, F1, B1, B0 and two transfers

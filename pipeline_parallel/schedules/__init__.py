@@ -47,7 +47,7 @@ def build_schedule(
 
 
 __all__ = [
-    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule",
-    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards", "stage_to_rank",
-    "stages_of_rank", "validate",
+    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "choose_split",
+    "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards",
+    "stage_to_rank", "stages_of_rank", "validate",
 ]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import numbers
 from enum import Enum
 from typing import NamedTuple
 
-from .._checks import check_int
+from .._checks import check_int, is_int
 
 
 class Kind(str, Enum):
@@ -92,6 +91,16 @@ def peer_stage(action: Action) -> int:
     return action.stage + (1 if action.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
 
 
+def sent_by(send: Action) -> Action:
+    """The result a SEND hands on (see `result_of`): F(stage, mb), or B(stage, mb) whether a B or an I made it."""
+    return Action(Kind.F if send.kind == Kind.SEND_F else Kind.B, send.stage, send.mb)
+
+
+def recv_of(action: Action) -> Action:
+    """The RECV that brings a compute action its input from another rank."""
+    return Action(Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B, action.stage, action.mb)
+
+
 def stage_to_rank(stage: int, num_ranks: int) -> int:
     """Stages are dealt to ranks round-robin: one stage per rank, or several (interleaved) in a loop."""
     return stage % num_ranks
@@ -130,7 +139,7 @@ def check_well_formed(schedule: Schedule, num_stages: int) -> int:
     for rank, actions in enumerate(schedule):
         seen = set()
         for index, a in enumerate(actions):
-            if not (isinstance(a, Action) and isinstance(a.kind, Kind) and _is_int(a.stage) and _is_int(a.mb)):
+            if not (isinstance(a, Action) and isinstance(a.kind, Kind) and is_int(a.stage) and is_int(a.mb)):
                 raise ScheduleError(f"item {index} of rank {rank}'s list is {a!r:.100}, not an Action; build actions "
                                     "with F(stage, mb), B, I, W, or Action(Kind.SEND_F, stage, mb) and the like")
             problem = _problem(a, rank, num_ranks, num_stages, seen)
@@ -142,10 +151,6 @@ def check_well_formed(schedule: Schedule, num_stages: int) -> int:
     if absent:
         raise ScheduleError(f"no rank runs an action of stage {absent[0]} of {num_stages}: is num_stages right?")
     return num_stages
-
-
-def _is_int(value) -> bool:
-    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _problem(a: Action, rank: int, num_ranks: int, num_stages: int, seen: set) -> str | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .actions import Action, Kind, Schedule, ScheduleError, check_well_formed, input_of, stage_to_rank, user_of
+from .actions import (Action, Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_stage, recv_of,
+                      stage_to_rank, user_of)
 
 
 def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
@@ -53,8 +54,7 @@ def recv_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
     source = input_of(action, num_stages)
     if source is None or not _remote(action.stage, source.stage, num_ranks):
         return []
-    kind = Kind.RECV_F if action.kind == Kind.F else Kind.RECV_B
-    return [Action(kind, action.stage, action.mb)]
+    return [recv_of(action)]
 
 
 def message(action: Action) -> tuple[str, int, int]:
@@ -63,12 +63,8 @@ def message(action: Action) -> tuple[str, int, int]:
     SEND_F(s, mb) and RECV_F(s + 1, mb) are the same message; so are SEND_B(s, mb) and
     RECV_B(s - 1, mb). Matching on this is how the checker pairs sends with receives.
     """
-    if action.kind == Kind.SEND_F:
-        return ("F", action.stage, action.mb)
-    if action.kind == Kind.RECV_F:
-        return ("F", action.stage - 1, action.mb)
-    if action.kind == Kind.SEND_B:
-        return ("B", action.stage, action.mb)
-    if action.kind == Kind.RECV_B:
-        return ("B", action.stage + 1, action.mb)
-    raise ValueError(f"{action!r} is not a communication action")
+    if not action.kind.is_comm:
+        raise ValueError(f"{action!r} is not a communication action")
+    direction = "F" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
+    sender = action.stage if action.kind in (Kind.SEND_F, Kind.SEND_B) else peer_stage(action)
+    return (direction, sender, action.mb)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._checks import check_int, check_positive
+from .._checks import check_int, check_nonnegative, check_positive
 from .actions import Action, I, Kind, Schedule, check_well_formed, stage_to_rank
 from .simulate import checked_duration, makespan, replay
 
@@ -58,7 +58,7 @@ def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
     """The cost model the split is chosen with: a stage's forward costs `stage_costs[stage]`, its
     backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2."""
     share = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 + SPLIT_OVERHEAD, Kind.W: 1.0 + SPLIT_OVERHEAD}
-    costs = relative_costs(stage_costs, len(stage_costs))
+    costs = [check_nonnegative(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
     return lambda action: costs[action.stage] * share[action.kind]
 
 
@@ -73,6 +73,7 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
     earlier stage idles until its first gradient). A candidate is kept only if strictly faster
     than every one before it, so a tie goes to the plan tried first (fewer last backwards).
     """
+    num_stages = check_well_formed(schedule, num_stages)
     duration = estimated_duration(relative_costs(stage_costs, num_stages))
     best, best_time = _placed(schedule, num_stages, 0, duration)
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .._checks import check_bool, check_int
-from .actions import (Action, Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_stage, result_of,
+from .actions import (Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_stage, result_of, sent_by,
                       stage_to_rank, stages_of_rank)
 from .lowering import message, recv_for, send_for
 
@@ -70,8 +70,7 @@ def _check_transfers_listed(lowered: Schedule, num_stages: int) -> None:
         listed, done = set(actions), set()  # done: compute actions run so far, their results, and receives posted
         for a in actions:
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                sent = Action(Kind.F if a.kind == Kind.SEND_F else Kind.B, a.stage, a.mb)  # a B or an I makes it
-                if sent not in done:
+                if sent_by(a) not in done:
                     raise ScheduleError(f"rank {rank} posts {a!r} before it computes what that sends")
             elif not a.kind.is_comm:
                 for recv in recv_for(a, num_stages, num_ranks):
@@ -120,17 +119,13 @@ def _describe(msg) -> str:
 
 
 def _compute_ready(rank: int, a, done: set, arrived, num_stages: int, num_ranks: int) -> bool:
-    """Whether compute action `a` on `rank` has its input: B or I after its F, W after its I, and
-    the data it consumes.
+    """Whether compute action `a` on `rank` has the data it consumes (its own F, or I for a W, ran
+    earlier in the same list: `check_well_formed` made sure of that).
 
     `done` holds finished actions and their results (`result_of`). The data is the neighbouring
     stage's result: local if that stage is on the same rank, otherwise a message for which
     `arrived(message)` says whether it has been received.
     """
-    if a.kind in (Kind.B, Kind.I) and Action(Kind.F, a.stage, a.mb) not in done:
-        return False
-    if a.kind == Kind.W:
-        return Action(Kind.I, a.stage, a.mb) in done
     source = input_of(a, num_stages)
     if source is None:
         return True
