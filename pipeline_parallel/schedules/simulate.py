@@ -54,24 +54,7 @@ def replay(schedule: Schedule, num_stages: int, duration: Callable[[Action], flo
     unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
     awaited: dict[Action, int] = {}  # a result no action has made yet -> the rank waiting for it
     free = [(0.0, r) for r in range(num_ranks) if programs[r]]  # a heap: (clock, rank) of each rank able to move
-    consumers: dict[Action, tuple[int, int]] = {}  # for split_waited: result -> (rank, index) of its user
-    busy: list[list[float]] = []  # busy[r][i]: compute time of rank r's first i listed actions
-    if split_waited:
-        for r, program in enumerate(programs):
-            busy.append(list(itertools.accumulate(map(duration, program), initial=0.0)))
-            for i, a in enumerate(program):
-                if input_of(a, num_stages) is not None:
-                    consumers[input_of(a, num_stages)] = (r, i)
-
-    def waited(rank: int, action: Action, start: float) -> bool:
-        """Whether the rank that uses this B's input gradient would be idle when a whole B made it."""
-        if action.kind != Kind.B or result_of(action) not in consumers:
-            return False  # the first stage's input gradient has no user
-        consumer, needed_by = consumers[result_of(action)]
-        if consumer == rank:
-            return False
-        needed_at = clocks[consumer] + busy[consumer][needed_by] - busy[consumer][pcs[consumer]]
-        return needed_at < start + duration(action)
+    forecast = _Forecast(programs, num_stages, duration) if split_waited else None
 
     def ready_time(rank: int, action: Action) -> float | None:
         source = input_of(action, num_stages)
@@ -99,11 +82,12 @@ def replay(schedule: Schedule, num_stages: int, duration: Callable[[Action], flo
         action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
         ready = None if action is None else ready_time(rank, action)
         over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
+        # A waiting W goes first where the rank would sit idle, or hold one microbatch more than its list ever does.
         if unplaced[rank] and (ready is None or ready > now or over_limit):
             run(rank, unplaced[rank].pop(0), now)
         elif ready is not None:
             start = max(now, ready)
-            if split_waited and waited(rank, action, start):
+            if forecast is not None and forecast.waited(rank, action, start + duration(action), clocks, pcs):
                 action = Action(Kind.I, action.stage, action.mb)
             run(rank, action, start)
             pcs[rank] += 1
@@ -116,6 +100,28 @@ def replay(schedule: Schedule, num_stages: int, duration: Callable[[Action], flo
         stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in sorted(awaited.values())]
         raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
     return times
+
+
+class _Forecast:
+    """For `split_waited`: when each rank will need each input, if it runs its list without waiting."""
+
+    def __init__(self, programs: list[list[Action]], num_stages: int, duration: Callable[[Action], float]):
+        self.users: dict[Action, tuple[int, int]] = {}  # a result -> (rank, index in its list) of its user
+        for rank, program in enumerate(programs):
+            for index, action in enumerate(program):
+                if input_of(action, num_stages) is not None:
+                    self.users[input_of(action, num_stages)] = (rank, index)
+        # busy[r][i]: the compute time of rank r's first i listed actions
+        self.busy = [list(itertools.accumulate(map(duration, program), initial=0.0)) for program in programs]
+
+    def waited(self, rank: int, action: Action, end: float, clocks: list[float], pcs: list[int]) -> bool:
+        """Whether the rank that uses this B's input gradient would be idle if a whole B made it by `end`."""
+        if action.kind != Kind.B or result_of(action) not in self.users:
+            return False  # the first stage's input gradient has no user
+        user, needed_by = self.users[result_of(action)]
+        if user == rank:
+            return False
+        return clocks[user] + self.busy[user][needed_by] - self.busy[user][pcs[user]] < end
 
 
 def _peak_held(program: list[Action], listed: set[Action]) -> int:
