@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-from ._checks import check_int, check_nonnegative, check_positive
+from ._checks import check_int, check_nonnegative, check_positive, is_int
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int
             f"layer_counts has {len(counts)} entries but there are {num_stages} pipeline stages; "
             f"give one layer count per stage"
         )
-    if any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in counts):
+    if any(not is_int(c) or c < 1 for c in counts):
         raise ValueError(f"layer_counts {counts}: every stage needs a whole number >= 1 of decoder layers")
     counts = [int(c) for c in counts]
     if sum(counts) != num_layers:

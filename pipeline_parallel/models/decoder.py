@@ -104,9 +104,9 @@ def check_shared_parameters(model: nn.Module, stage_layers: list[range], hint: s
             for name, param in module.named_parameters(prefix, remove_duplicate=False):
                 owners.setdefault(_weight_identity(param), {}).setdefault(stage, (name, param))
     embedding = model.model.embed_tokens.weight
+    tied = _weight_identity(embedding) if is_tied(model) else None  # its two ends are allowed
     for key, stages in owners.items():
-        if len(stages) == 1 or (is_tied(model) and key == _weight_identity(embedding)
-                                and set(stages) == {0, num_stages - 1}):
+        if len(stages) == 1 or (key == tied and set(stages) == {0, num_stages - 1}):
             continue
         where = " and ".join(f"{name} (stage {stage})" for stage, (name, _) in stages.items())
         params = [param for _, param in stages.values()]

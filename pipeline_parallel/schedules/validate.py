@@ -54,8 +54,7 @@ def _check_compute_coverage(lowered: Schedule, num_stages: int, num_microbatches
         for stage in stages:
             for mb in range(num_microbatches):
                 got = kinds[(stage, mb)]
-                split = () if stage == 0 else ({Kind.F, Kind.I, Kind.W},)  # the first stage has no input gradient
-                ok = got == {Kind.F} if forward_only else got in ({Kind.F, Kind.B}, *split)
+                ok = got == {Kind.F} if forward_only else got in ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W})
                 if not ok:
                     need = "F" if forward_only else "F and B" + ("" if stage == 0 else " (or I and W)")
                     raise ScheduleError(f"rank {rank} must run {need} of stage {stage}, microbatch {mb}; "
