@@ -109,6 +109,8 @@ _HINTS = {
     "mode": "every rank must call step() together, or evaluate() together",
     "tied_embedding": "model.lm_head.weight is model.model.embed_tokens.weight on some ranks only; tie them on "
                       "every rank (model.tie_weights()) or on none",
+    "max_norm": "every rank must call clip_grad_norm_ with the same max_norm",
+    "norm_type": "every rank must call clip_grad_norm_ with the same norm_type",
 }
 
 

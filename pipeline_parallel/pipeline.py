@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import time
 
 import torch
@@ -237,21 +238,31 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale all stages' gradients so their global norm is at most `max_norm`; returns that norm.
 
-        The norm is taken over the whole model, as one process would: each rank reduces its
-        own gradients, the ranks combine the results, and the tied LM head is counted once.
+        The norm is taken over the whole model, as one process would (in the gradients' dtype, the
+        ranks' parts combined in float64, so no sum of squares overflows): each rank reduces its own
+        gradients, the ranks combine the results, and the tied LM head is counted once. Every rank
+        must pass the same arguments; a bad or differing one is an error on every rank.
         """
-        check_positive("max_norm", max_norm, allow_inf=True, hint=" (inf: measure the norm, clip nothing)")
-        norm_type = check_positive("norm_type", norm_type, allow_inf=True,
-                                   hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")
+        error = None
+        try:
+            check_positive("max_norm", max_norm, allow_inf=True, hint=" (inf: measure the norm, clip nothing)")
+            norm_type = check_positive("norm_type", norm_type, allow_inf=True,
+                                       hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")
+        except ValueError as e:
+            error = e
+        agree_on_settings(self.comm, {name: _float_bits(value) for name, value in
+                                      (("max_norm", max_norm), ("norm_type", norm_type))}, local_error=error,
+                          details={name: {name: value} for name, value in
+                                   (("max_norm", max_norm), ("norm_type", norm_type))})
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
-        local = (
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
-            if grads else torch.zeros((), device=self.device)
-        ).float()
+        norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else \
+            torch.zeros((), dtype=torch.float64, device=self.device)
         if math.isinf(norm_type):
             total = self.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
         else:
             total = self.comm.all_reduce(local**norm_type).pow(1.0 / norm_type)
+        total = total.to(_common_dtype(grads))
         torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
         return total
 
@@ -259,6 +270,22 @@ class Pipeline:
         """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
         skip = self._tied_weight if self.is_last else None
         return [p for p in self.parameters() if p is not skip]
+
+
+def _float_bits(value) -> int:
+    """A number's float64 bits as an int, to compare across ranks (0 for what is not a number)."""
+    try:
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    except (TypeError, ValueError):
+        return 0
+
+
+def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """The dtype torch's own clip_grad_norm_ returns for these gradients (float32 if none)."""
+    dtype = tensors[0].dtype if tensors else torch.float32
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def _check_autocast_dtype(dtype) -> None:

@@ -7,6 +7,7 @@ that gave up shows up as a gloo timeout in that case's result instead of hanging
 from __future__ import annotations
 
 import copy
+import math
 import re
 import types
 from datetime import timedelta
@@ -276,6 +277,12 @@ PIPELINE_CASES = {
                             r"norm_type must be a number > 0 .*got 0"),
     "clip-max-norm-negative": (lambda r, w, g: _pipe(g).clip_grad_norm_(-1.0), ValueError,
                                r"max_norm must be a number > 0 .*got -1.0"),
+    # clip_grad_norm_'s arguments on one rank only: the others waited in its all_reduce (or clipped apart)
+    "clip-max-norm-nan-on-rank-1-only": (lambda r, w, g: _pipe(g).clip_grad_norm_(1.0 if r == 0 else math.nan),
+                                         ValueError, r"pipeline rank 1: max_norm must be a number > 0 .*got nan"),
+    "clip-norm-type-differs": (lambda r, w, g: _pipe(g).clip_grad_norm_(1.0, norm_type=2.0 if r == 0 else math.inf),
+                               ValueError, r"ranks disagree on 'norm_type' \(norm_type: 2.0 on rank 0, inf on rank 1\): "
+                               r"every rank must call clip_grad_norm_ with the same norm_type"),
     # only one rank holds bad data: the others (which never look at it) must still raise
     "bad-ids-on-first-rank-only": (lambda r, w, g: _step_with(g, x=_set(X, (0, 0), 999) if r == 0 else X),
                                    ValueError, r"pipeline rank 0: input_ids holds token IDs .* to 999"),

@@ -334,6 +334,33 @@ def test_hf_model_built_on_meta_device():
         assert torch.isfinite(torch.tensor(got["loss"]))
 
 
+def _clip_worker(rank, world_size, scale):
+    pipe = pp.Pipeline(build("llama", 4).double(), num_microbatches=2, device="cpu")
+    x, y = make_batch(4, 8, num_microbatches=2)
+    pipe.step(x, y)
+    for p in pipe.parameters():
+        p.grad.mul_(scale)
+    norm = pipe.clip_grad_norm_(1.0)
+    return norm, {n: p.grad for n, p in pipe.named_parameters()}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e19])
+def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale):
+    """A float64 model's norm is a float64 one, and a norm whose square exceeds float32's range is not inf
+    (clipping by an inf norm would have zeroed every gradient)."""
+    ref = build("llama", 4).double()
+    x, y = make_batch(4, 8, num_microbatches=2)
+    logits = ref(x).logits  # float64 throughout (full_loss takes the loss in float32, as Hugging Face does)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+    for p in ref.parameters():
+        p.grad.mul_(scale)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    for norm, got in run_distributed(_clip_worker, 2, scale, timeout=TIMEOUT):
+        assert norm.dtype == torch.float64 and norm.item() == pytest.approx(want.item(), rel=1e-12)
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def _tied_apart_worker(rank, world_size):
     model, ref = build("llama", 4, tie=True), build("llama", 4, tie=True)
     with torch.no_grad():  # each rank initialised its own copy of the tied matrix: the ends differ
