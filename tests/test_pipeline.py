@@ -304,8 +304,10 @@ def _check_timelines(timelines, programs, step_seconds):
 
 def _hf_meta_worker(rank, world_size):
     model = build("llama", 4, tie=True, meta=True)
+    torch.manual_seed(100 + rank)  # the caller's random state, which materialising must leave alone
     pipe = pp.Pipeline(model, schedule="1f1b", num_microbatches=2, device="cpu")
-    out = {"meta_left": [n for n, t in [*pipe.model.named_parameters(), *pipe.model.named_buffers()] if t.is_meta],
+    rng_kept = torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(100 + rank)))
+    out = {"rng_kept": rng_kept, "meta_left": [n for n, t in [*pipe.model.named_parameters(), *pipe.model.named_buffers()] if t.is_meta],
            "names": sorted(n for n, _ in pipe.named_parameters())}
     end = pipe.model.model.embed_tokens.weight if rank == 0 else pipe.model.lm_head.weight
     ends = [torch.empty_like(end) for _ in range(world_size)]
@@ -330,6 +332,7 @@ def test_hf_model_built_on_meta_device():
             assert torch.equal(value, whole["model.embed_tokens.weight" if name == "lm_head.weight" else name]), name
         assert set(got["names"]) == stage_names(full, layer_ranges([2, 2])[rank], rank == 0, rank == 1, tie=True)
         assert not got["meta_left"]
+        assert got["rng_kept"], "building the pipeline changed the global random state"
         assert got["tied_ends_equal"], "the tied embedding and LM head must hold the same values"
         assert torch.isfinite(torch.tensor(got["loss"]))
 

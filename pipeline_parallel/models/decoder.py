@@ -342,6 +342,12 @@ def _meta_buffers(model: nn.Module) -> list[str]:
     return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
 
 
+def _random_state_kept():
+    """Restores the global random state afterwards: Hugging Face's `_init_weights` draws from it, seeded per
+    module here, and the caller's seed must still decide what comes after (dropout, shuffling, sampling)."""
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else [])
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weights: bool = True) -> None:
     """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
 
@@ -360,7 +366,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
         model.to_empty(device=device)  # unties shared parameters
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
-        with torch.no_grad():
+        with torch.no_grad(), _random_state_kept():
             for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
                 if model.get_buffer(name).is_floating_point():
                     model.get_buffer(name).fill_(float("nan"))
