@@ -172,10 +172,10 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     failure leaves nothing behind). An existing `out_dir` is replaced only if it is empty or a
     Hugging Face model (an earlier export); a link to a directory is followed, so it stays a link.
     """
-    out_dir = Path(out_dir)
+    check_replaceable(Path(out_dir))
+    out_dir = Path(os.path.abspath(out_dir))  # named, where the user's was '..'
     if out_dir.is_symlink() and out_dir.is_dir():
         out_dir = out_dir.resolve()
-    check_replaceable(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")  # a name no one else uses
     tmp.mkdir(parents=True)
     try:
@@ -222,6 +222,9 @@ def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
     model a run started from, perhaps itself an export): it would be deleted."""
     if not out_dir.exists():
         return
+    if out_dir.resolve() in (cwd := Path.cwd().resolve(), *cwd.parents):
+        raise FileExistsError(f"{out_dir} is or holds the current directory, which exporting would replace as a "
+                              f"whole; give a directory of its own, such as {out_dir / 'export'}")
     if source and out_dir.resolve() == Path(source).resolve():
         raise FileExistsError(f"{out_dir} is the Hugging Face model the run started from (--hf-model); "
                               "exporting would replace it, so give another directory")

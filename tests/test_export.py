@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -160,6 +161,23 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_export_refuses_the_directory_it_is_run_in(trained, tmp_path, monkeypatch, capsys):
+    """`--out .` (or a directory above) failed with "PosixPath('.') has an empty name"; replacing it
+    would leave the shell in a deleted directory."""
+    run_dir, _ = trained
+    here = tmp_path / "empty" / "inner"
+    here.mkdir(parents=True)
+    monkeypatch.chdir(here)
+    for out in (".", "..", str(here)):
+        with pytest.raises(SystemExit) as exit_info:
+            export_main([str(run_dir), "--out", out])
+        assert exit_info.value.code == 2
+        assert re.fullmatch(r"error: .* is or holds the current directory, .*give a directory of its own, such as "
+                            r".*export\n", capsys.readouterr().err)
+    assert here.is_dir() and not any(here.iterdir())
+    assert export(run_dir, "sub")[0] == here / "sub"  # a relative path is taken from the current directory
 
 
 def test_a_checkpoint_moved_out_of_its_run_directory_is_refused_before_the_model_loads(trained, tmp_path, capsys):
