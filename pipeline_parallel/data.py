@@ -287,8 +287,8 @@ class TokenBatches:
         if len(self.seqs) < batch_size * accum_steps:
             per_step = f"batch_size {batch_size}" + (f" x {accum_steps} accumulated batches" if accum_steps > 1 else "")
             raise ValueError(
-                f"{len(self.seqs)} training sequences are fewer than {per_step}; "
-                "add data, or lower batch_size or seq_len"
+                f"{len(self.seqs)} training sequences are fewer than {per_step}; add data (or raise "
+                "max_tokens, or lower eval_fraction, if they cap it), or lower batch_size or seq_len"
             )
         self.batch_size, self.accum_steps, self.seed = batch_size, accum_steps, int(seed)
         self.need_inputs, self.need_labels = need_inputs, need_labels

@@ -64,7 +64,8 @@ def read_metrics(path: str | Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if i < len(lines) - 1:
-                raise ValueError(f"{path}, record {i + 1}, is not JSON: {line[:80]!r}") from None
+                raise ValueError(f"{path}, record {i + 1}, is not JSON: {line[:80]!r}; repair or delete "
+                                 "that line") from None
             # a last line cut off by a kill or a full disk: that record is lost, the run is not
     return records
 

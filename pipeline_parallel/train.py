@@ -152,7 +152,9 @@ class Trainer:
         self._busy_seconds = self._pipeline_seconds = 0.0  # this rank's, since the last measured_idle_fraction()
         self._resume_or_start(resume_from)
         self.reporter = self.pipe.is_last  # knows the loss first; shows the bar and writes the metrics
-        self.metrics = MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None
+        self.metrics = self._agreed(  # a damaged metrics file is one line on every rank, not a rank that stops alone
+            lambda: MetricsLogger(self.run_dir, self.step, cfg.log.tensorboard) if self.reporter else None,
+            "opening the metrics file", faults=(ValueError, OSError))
 
     def say(self, message: str, rank: int = 0) -> None:
         if self.rank == rank:
@@ -306,9 +308,11 @@ class Trainer:
     def _diverged(self, what: str) -> TrainingDiverged:
         """`what` went wrong, and how to go on: from the last checkpoint, with settings that train more gently."""
         then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
-        clip = "a lower optim.grad_clip" if self.cfg.optim.grad_clip else "optim.grad_clip = 1.0"
-        return TrainingDiverged(f"{what}: {then} with a lower optim.lr, more optim.warmup_steps, {clip} or "
-                                "train.dtype = fp32")
+        remedies = ["a lower optim.lr", "more optim.warmup_steps",
+                    "a lower optim.grad_clip" if self.cfg.optim.grad_clip else "optim.grad_clip = 1.0"]
+        if self.cfg.train.dtype != "fp32":
+            remedies.append("train.dtype = fp32")
+        return TrainingDiverged(f"{what}: {then} with {', '.join(remedies[:-1])} or {remedies[-1]}")
 
     def _weights_finite(self) -> bool:
         """Whether every rank's weights are finite (one all-reduce, so every rank calls it)."""
@@ -437,8 +441,13 @@ def _interrupted(cfg: Config, signum: int) -> str:
         latest = latest_checkpoint(cfg.run_dir)
     except ValueError:  # a damaged one: the next start names it
         latest = None
-    where = (f"run the same command to resume from its latest checkpoint, {latest} (steps after it are trained "
-             "again)" if latest else "it saved no checkpoint yet, so the same command starts it again")
+    if latest is None:
+        where = "it saved no checkpoint yet, so the same command starts it again" if cfg.resume != "never" else \
+            "it saved no checkpoint yet; run the same command again"
+    elif cfg.resume in ("auto", "latest"):
+        where = f"run the same command to resume from its latest checkpoint, {latest} (steps after it are trained again)"
+    else:  # the same command would start from `resume` again (or refuse a run_dir that holds a run)
+        where = f"run the same command with --resume latest to resume from its latest checkpoint, {latest}"
     return f"interrupted by {signal.Signals(signum).name}: {where}"
 
 

@@ -275,11 +275,16 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     for signum in before:  # as in a terminal (in a job started with `&`, SIGINT is ignored, and stays so)
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    for run_dir, signum, said in ((runs[0], signal.SIGTERM, r"resume from its latest checkpoint, .*step_000006"),
-                                  (tmp_path, signal.SIGINT, "it saved no checkpoint yet")):
+    latest = str(runs[0] / "checkpoints" / "step_000006")
+    for run_dir, resume, signum, said in (
+            (runs[0], "auto", signal.SIGTERM, r"run the same command to resume from its latest checkpoint, .*step_000006"),
+            # the same command would start from that checkpoint again, and drop the checkpoints saved after it
+            (runs[0], latest, signal.SIGTERM, r"run the same command with --resume latest to resume from its latest "
+                                              r"checkpoint, .*step_000006"),
+            (tmp_path, "auto", signal.SIGINT, "it saved no checkpoint yet")):
         monkeypatch.setattr(train, "run", lambda cfg: run(cfg, signum))
         with pytest.raises(SystemExit) as exit_info:
-            main(["--run-dir", str(run_dir)])
+            main(["--run-dir", str(run_dir), "--resume", resume])
         assert exit_info.value.code == 128 + signum
         err = capsys.readouterr().err
         assert re.fullmatch(rf"interrupted by {signal.Signals(signum).name}: .*{said}.*\n", err), err
@@ -314,7 +319,7 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
     small.write_text(corpus[0].read_text()[:2000])  # about 40 sequences: fewer than a batch of 64
     for overrides, message in (
             ({"data.path": [str(tmp_path / "missing.txt")]}, "data: .*missing.txt"),
-            ({"data.path": [str(small)], "train.batch_size": 64}, "train.batch_size: .* fewer than batch_size 64"),
+            ({"data.path": [str(small)], "train.batch_size": 64}, "train.batch_size: .* fewer than batch_size 64; add data \(or raise max_tokens"),
             ({"data.path": [str(small)], "data.seq_len": 64, "data.max_tokens": 60}, "data: .* only 60 tokens")):
         messages = run_distributed(_start, 2, make_cfg(tmp_path / "new", corpus, **overrides), timeout=30)
         assert messages[0] == messages[1]
@@ -462,6 +467,17 @@ def test_a_metrics_line_cut_off_by_a_kill_is_dropped(tmp_path):
     path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
     with pytest.raises(ValueError, match="record 1, is not JSON"):
         read_metrics(path)
+
+
+def test_a_damaged_metrics_file_stops_every_rank_with_its_line(runs, corpus, tmp_path):
+    """Only the last rank reads the file: it used to stop alone, the first rank with gloo's error in its step."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs[0], run_dir)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join([lines[0], "garbage\n", *lines[2:]]))
+    for message in run_distributed(_start, 2, make_cfg(run_dir, corpus, **{"train.max_steps": 8})):
+        assert re.fullmatch(r"rank 1: .*metrics.jsonl, record 2, is not JSON: 'garbage'; "
+                                                      r"repair or delete that line", message), message
 
 
 def test_the_loss_plot_leaves_out_a_loss_that_is_not_finite(tmp_path):
@@ -618,6 +634,7 @@ def test_weights_an_update_made_infinite_are_not_saved(corpus, tmp_path):
     for message in run_distributed(_overflow_at_step_2, 2, cfg):
         assert message.startswith("step 2: its update made weights that are not finite"), message
         assert "step_000001" in message and "optim.lr" in message
+        assert "train.dtype = fp32" not in message  # the run is fp32 already
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000001"
     model, _ = load_full_model(tmp_path)
     assert all(torch.isfinite(p).all() for p in model.parameters())
