@@ -319,7 +319,8 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
     small.write_text(corpus[0].read_text()[:2000])  # about 40 sequences: fewer than a batch of 64
     for overrides, message in (
             ({"data.path": [str(tmp_path / "missing.txt")]}, "data: .*missing.txt"),
-            ({"data.path": [str(small)], "train.batch_size": 64}, "train.batch_size: .* fewer than batch_size 64; add data \(or raise max_tokens"),
+            ({"data.path": [str(small)], "train.batch_size": 64},
+             r"train.batch_size: .* fewer than batch_size 64; add data \(or raise max_tokens"),
             ({"data.path": [str(small)], "data.seq_len": 64, "data.max_tokens": 60}, "data: .* only 60 tokens")):
         messages = run_distributed(_start, 2, make_cfg(tmp_path / "new", corpus, **overrides), timeout=30)
         assert messages[0] == messages[1]
