@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import time
@@ -32,9 +33,23 @@ def planning_costs(config, layer_counts: list[int], seq_len: int) -> tuple[float
 
 def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tuple[float, ...],
                  forward_only: bool = False, split: int | None = None) -> list:
-    """This rank's validated action list of `schedule`, planned with these relative stage costs."""
-    return build_schedule(schedule, comm.pp_size, num_microbatches, prefetch=comm.prefetch_receives,
-                          forward_only=forward_only, stage_costs=list(costs), split=split)[comm.pp_rank]
+    """This rank's validated action list of `schedule`, planned with these relative stage costs.
+
+    Plans are kept (`_planned`): planning the split of backwards takes time (seconds at 32 stages),
+    and a Pipeline whose sequence lengths vary, or the classic API, asks again and again.
+    """
+    args = (schedule, comm.pp_size, num_microbatches, comm.prefetch_receives, tuple(costs), forward_only, split)
+    try:
+        plan = _planned(*args)
+    except TypeError:  # an unhashable, so bad, argument: build_schedule says what is wrong with it
+        plan = _planned.__wrapped__(*args)
+    return list(plan[comm.pp_rank])
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split) -> tuple:
+    return tuple(map(tuple, build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch,
+                                           forward_only=forward_only, stage_costs=list(costs), split=split)))
 
 
 class Pipeline:
@@ -88,7 +103,6 @@ class Pipeline:
             autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed,
             model_config=model_config,
         )
-        self._programs: dict[tuple, list] = {}  # training program per planning_costs
         on_meta = dtypes = tied = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             if device_error:
@@ -140,16 +154,10 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's action list for batches of `seq_len`; training ones are kept per `planning_costs`,
-        since planning the split of backwards takes time (seconds at 32 stages)."""
-        costs = planning_costs(config, layer_counts, seq_len)
-        if not forward_only and costs in self._programs:
-            return self._programs[costs]
-        program = rank_program(self.schedule, self.comm, self.num_microbatches, costs,
-                               forward_only=forward_only, split=None if forward_only else self.split)
-        if not forward_only:
-            self._programs[costs] = program
-        return program
+        """This rank's action list for batches of `seq_len` (one plan serves lengths of near costs)."""
+        return rank_program(self.schedule, self.comm, self.num_microbatches,
+                            planning_costs(config, layer_counts, seq_len),
+                            forward_only=forward_only, split=None if forward_only else self.split)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
