@@ -82,31 +82,10 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     costs = planning_costs(model.config, layer_counts, info.seq_len)
     program = rank_program(schedule, comm, num_microbatches, costs)
     tied_weight = tied_weight_end(model, num_stages, first, last)
-    _share_tied_values(comm, tied_weight, first, last, tied=tied and num_stages > 1)
+    if tied_weight is not None:  # the ranks' models may have been initialised apart: the head takes the embedding
+        comm.share_from_first_(tied_weight.data, first)
     loss = run_step(program, stage, comm, step, tied_weight)
     return loss if last else None
-
-
-def _share_tied_values(comm: PipeComm, tied_weight, first: bool, last: bool, tied: bool) -> None:
-    """Make the last rank's LM head hold the first rank's embedding, as tying does in one process, if
-    the ranks' models were initialised apart. A checksum of the bits tells (one read of the matrix, no
-    copy), so equal ends cost no transfer."""
-    if not tied:
-        return
-    checksum = _bits_checksum(tied_weight) if first or last else None
-    checksums = comm.all_gather_object(checksum)
-    if checksums[0] != checksums[-1] and (first or last):
-        comm.copy_from_first_(tied_weight.data, first)
-
-
-def _bits_checksum(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The tensor's bytes summed four at a time as wrapping int32s, with its dtype and shape: equal
-    tensors give equal sums on any device and thread count (integer sums do not depend on their
-    order), at the cost of one fp32 sum (a float64 sum of a 32k x 2048 matrix took 30x that: 0.6 s)."""
-    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    if data.numel() % 4 or data.storage_offset() % 4:
-        data = torch.cat([data, data.new_zeros(-data.numel() % 4)])  # a copy, aligned and padded
-    return int(data.view(torch.int32).sum(dtype=torch.int32)), data.numel(), str(tensor.dtype)
 
 
 def _dtype_error(dtype) -> str | None:

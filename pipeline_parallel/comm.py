@@ -96,11 +96,18 @@ class PipeComm:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def copy_from_first_(self, tensor: torch.Tensor, is_first: bool) -> None:
-        """The last rank's `tensor` becomes the first rank's (one matrix held at both ends)."""
-        op, peer = ("send", self.pp_size - 1) if is_first else ("recv", 0)
-        for work in self.post([(op, tensor, peer)]):
+    def share_from_first_(self, tensor: torch.Tensor, is_first: bool) -> None:
+        """The last rank's `tensor` becomes the first rank's (one matrix held at both ends, as tying
+        does in one process); called by those two ranks. Their checksums tell whether the ends
+        differ, so equal ones cost one read of the matrix and no transfer of it."""
+        peer = self.pp_size - 1 if is_first else 0
+        mine = _bits_checksum(tensor)
+        theirs = torch.empty_like(mine)
+        for work in self.post([("send", mine, peer), ("recv", theirs, peer)]):
             work.wait()
+        if not torch.equal(mine, theirs):
+            for work in self.post([("send" if is_first else "recv", tensor, peer)]):
+                work.wait()
 
     def exchange_add_(self, tensor: torch.Tensor, peer: int) -> None:
         """Add the peer's copy of `tensor` to ours while it adds ours to its own (tied weights)."""
@@ -108,3 +115,14 @@ class PipeComm:
         for work in self.post([("send", tensor, peer), ("recv", received, peer)]):
             work.wait()
         tensor.add_(received)
+
+
+def _bits_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """[sum, count] of the tensor's bytes taken four at a time as wrapping int32s: equal tensors give
+    equal sums on any device and thread count (integer sums do not depend on their order), at the
+    cost of one fp32 sum (a float64 sum of a 32k x 2048 matrix took 30x that: 0.6 s on one thread)."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    if data.numel() % 4 or data.storage_offset() % 4:
+        data = torch.cat([data, data.new_zeros(-data.numel() % 4)])  # a copy, aligned and padded
+    total = data.view(torch.int32).sum(dtype=torch.int32).long()
+    return torch.stack([total, torch.tensor(data.numel(), device=data.device)])

@@ -134,7 +134,7 @@ class Pipeline:
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
             # The ends may hold different values (initialised apart, on meta or by the caller): as
             # tying does in one process, the head takes the embedding, the first stage's copy.
-            self.comm.copy_from_first_(self._tied_weight.data, self.is_first)
+            self.comm.share_from_first_(self._tied_weight.data, self.is_first)
         self._dtypes = _parameter_dtypes(self.model)  # what `_changed` compares with, as the stage's parts
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
