@@ -267,7 +267,7 @@ class Pipeline:
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else \
             torch.zeros((), dtype=torch.float64, device=self.device)
         if math.isinf(norm_type):
-            total = self.comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+            total = self.comm.all_reduce(local, largest=True)
         else:
             total = self.comm.all_reduce(local**norm_type).pow(1.0 / norm_type)
         total = total.to(_common_dtype(grads))

@@ -11,28 +11,28 @@ from .simulate import checked_duration, makespan, replay
 SPLIT_OVERHEAD = 0.1  # a split backward's extra cost, as a share of the whole one (graph walk, two passes)
 
 
-def split_backwards(schedule: Schedule, num_stages: int, num_split: int, duration: Callable[[Action], float]) -> Schedule:
-    """Turn each rank's last `num_split` backwards into I, and place their W's by simulation.
+def split_backwards(schedule: Schedule, num_stages: int, split: int, duration: Callable[[Action], float]) -> Schedule:
+    """Turn each rank's last `split` backwards into I, and place their W's by simulation.
 
     An I computes only the input gradient, so the earlier stage gets it a weight-gradient pass
     sooner; its W then fills a time the rank would spend waiting for an input (at the estimated
     `duration`s), or runs before a forward that would make the rank hold more microbatches than
     the schedule ever does, or at the end. The first stage has no input gradient and is not split.
     """
-    check_int("split", num_split, 0, hint=" (how many of each rank's last backwards run as input-gradient then "
+    check_int("split", split, 0, hint=" (how many of each rank's last backwards run as input-gradient then "
               "weight-gradient passes), or None to let the simulator choose")
     num_stages = check_well_formed(schedule, num_stages)
-    return _placed(schedule, num_stages, num_split, checked_duration(duration))[0]
+    return _placed(schedule, num_stages, split, checked_duration(duration))[0]
 
 
-def _placed(schedule: Schedule, num_stages: int, num_split: int, duration, split_waited: bool = False
+def _placed(schedule: Schedule, num_stages: int, split: int, duration, split_waited: bool = False
             ) -> tuple[Schedule, float]:
     """`split_backwards`, and the step time the simulator found for it; with `split_waited` the
     simulator also splits each backward whose gradient another rank would wait for (see `simulate`)."""
-    body = []  # each rank's last `num_split` backwards as I, their W's left to the simulator
+    body = []  # each rank's last `split` backwards as I, their W's left to the simulator
     for actions in schedule:
         backwards = [i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0]
-        chosen = set(backwards[max(len(backwards) - num_split, 0):]) if num_split else set()
+        chosen = set(backwards[max(len(backwards) - split, 0):]) if split else set()
         body.append([I(a.stage, a.mb) if i in chosen else a for i, a in enumerate(actions)])
     times = replay(body, num_stages, duration, split_waited=split_waited)
     result: Schedule = [[] for _ in body]
@@ -79,8 +79,8 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, max(num_stages + 1, 16))
     step = max(1, -(-(most - dense) // 16))
-    for num_split in sorted({*range(1, dense + 1), *range(dense + step, most + 1, step), most}):
-        candidate, time = _placed(schedule, num_stages, num_split, duration)
+    for split in sorted({*range(1, dense + 1), *range(dense + step, most + 1, step), most}):
+        candidate, time = _placed(schedule, num_stages, split, duration)
         if time < best_time - 1e-9 * best_time:
             best, best_time = candidate, time
     candidate, time = _placed(schedule, num_stages, 0, duration, split_waited=True)
