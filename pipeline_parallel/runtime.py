@@ -100,7 +100,7 @@ class _Mailbox:
         ops, recv_keys = [], []
         for action in self.queued:
             peer = stage_to_rank(peer_stage(action), self.comm.pp_size)
-            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            if action.kind.is_send:
                 ops.append(("send", self.produced.pop(sent_by(action)), peer))
             else:
                 buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,

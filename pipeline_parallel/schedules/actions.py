@@ -23,10 +23,18 @@ class Kind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
-        return self in _COMM
+        return self in _SENDS or self in _RECVS
+
+    @property
+    def is_send(self) -> bool:
+        return self in _SENDS
+
+    @property
+    def is_recv(self) -> bool:
+        return self in _RECVS
 
 
-_COMM = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+_SENDS, _RECVS = {Kind.SEND_F, Kind.SEND_B}, {Kind.RECV_F, Kind.RECV_B}
 
 
 class Action(NamedTuple):

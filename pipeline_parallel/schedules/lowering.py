@@ -66,5 +66,5 @@ def message(action: Action) -> tuple[str, int, int]:
     if not action.kind.is_comm:
         raise ValueError(f"{action!r} is not a communication action")
     direction = "F" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
-    sender = action.stage if action.kind in (Kind.SEND_F, Kind.SEND_B) else peer_stage(action)
+    sender = action.stage if action.kind.is_send else peer_stage(action)
     return (direction, sender, action.mb)

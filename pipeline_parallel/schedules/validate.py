@@ -68,7 +68,7 @@ def _check_transfers_listed(lowered: Schedule, num_stages: int) -> None:
     for rank, actions in enumerate(lowered):
         listed, done = set(actions), set()  # done: compute actions run so far, their results, and receives posted
         for a in actions:
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            if a.kind.is_send:
                 if sent_by(a) not in done:
                     raise ScheduleError(f"rank {rank} posts {a!r} before it computes what that sends")
             elif not a.kind.is_comm:
@@ -92,9 +92,9 @@ def _check_channels(lowered: Schedule, num_ranks: int) -> None:
     sent, received = defaultdict(list), defaultdict(list)
     for rank, actions in enumerate(lowered):
         for a in actions:
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            if a.kind.is_send:
                 sent[(rank, _peer(a, num_ranks))].append(message(a))
-            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+            elif a.kind.is_recv:
                 received[(_peer(a, num_ranks), rank)].append(message(a))
     for channel in sorted(set(sent) | set(received)):
         src, dst = channel
@@ -150,9 +150,9 @@ def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
         for rank, actions in enumerate(lowered):
             while pcs[rank] < len(actions) and ready(rank, actions[pcs[rank]]):
                 a = actions[pcs[rank]]
-                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                if a.kind.is_send:
                     posted_sends.add(message(a))
-                elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                elif a.kind.is_recv:
                     posted_recvs.add((rank, message(a)))
                 else:
                     done.update({a, result_of(a)})
@@ -194,7 +194,7 @@ def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) 
     matched: set = set()  # (rank, is_send, message) of transfers that met their peer
 
     def ops(rank: int, batch) -> list:
-        return [(rank, a.kind in (Kind.SEND_F, Kind.SEND_B), message(a), _peer(a, num_ranks)) for a in batch]
+        return [(rank, a.kind.is_send, message(a), _peer(a, num_ranks)) for a in batch]
 
     def advance_streams() -> bool:
         moved = False
