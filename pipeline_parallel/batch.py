@@ -87,8 +87,8 @@ def agree_on_batch(
         error = ValueError(f"the batch could not be checked ({type(e).__name__}: {e}); pass input_ids and labels "
                            "as plain dense tensors of token IDs")
     rows = _gather_checked(comm, error, facts, settings, details)
-    inputs = [row[1:3] for row in rows if row[1] >= 0]
-    targets = [row[3:6] for row in rows if row[3] >= 0]
+    inputs = [row[0:2] for row in rows if row[0] >= 0]
+    targets = [row[2:5] for row in rows if row[2] >= 0]
     if not inputs or not targets:
         raise ValueError("the first pipeline rank must pass input_ids and the last must pass labels")
     (batch_size, seq_len), (label_batch, label_seq, num_targets) = inputs[0], targets[0]
@@ -118,13 +118,13 @@ def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str
                       details: dict[str, dict] | None = None) -> None:
     """Raise the same clear error on every rank if any rank failed or the ranks' settings differ; for a
     setting that is a dict in `details`, the error names the entries that differ and their values."""
-    _gather_checked(comm, local_error, [-1] * 5, settings, details)
+    _gather_checked(comm, local_error, [], settings, details)
 
 
 def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int],
                     details: dict[str, dict] | None = None) -> list[list[int]]:
-    """All ranks' [error flag, *facts, *settings]; raises on every rank if any rank failed or disagrees,
-    naming for a setting in `details` which of its entries differ."""
+    """All ranks' `facts` (lists of ints of one length); raises on every rank if any rank failed or the
+    ranks' settings differ, naming for a setting in `details` which of its entries differ."""
     details = details or {}
     names = sorted(settings)
     rows = comm.all_gather_ints([int(error is not None), *facts, *(settings[n] for n in names)])
@@ -141,7 +141,7 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
             [f"every rank must construct the pipeline and call the step with the same {' and '.join(others)}"]
             if others else []))
         raise ValueError(f"the pipeline ranks disagree on {', '.join(described)}: {what}")
-    return rows
+    return [row[1:offset] for row in rows]
 
 
 def differences(by_rank: list[dict], most: int = 4) -> str:
