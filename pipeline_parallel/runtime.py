@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import PipeComm
-from .schedules import Action, Kind, stage_to_rank
-from .schedules.actions import input_of, peer_stage, recv_of, result_of, sent_by, user_of
+from .schedules import Action, Kind
+from .schedules.actions import input_of, peer_rank, recv_of, result_of, sent_by, user_of
 from .stage import PipelineStage
 
 
@@ -99,7 +99,7 @@ class _Mailbox:
         """Start the queued sends and receives as one batch."""
         ops, recv_keys = [], []
         for action in self.queued:
-            peer = stage_to_rank(peer_stage(action), self.comm.pp_size)
+            peer = peer_rank(action, self.comm.pp_size)
             if action.kind.is_send:
                 ops.append(("send", self.produced.pop(sent_by(action)), peer))
             else:

@@ -114,6 +114,11 @@ def stage_to_rank(stage: int, num_ranks: int) -> int:
     return stage % num_ranks
 
 
+def peer_rank(action: Action, num_ranks: int) -> int:
+    """The rank at the other end of a comm action's transfer (see `peer_stage`)."""
+    return stage_to_rank(peer_stage(action), num_ranks)
+
+
 def stages_of_rank(rank: int, num_stages: int, num_ranks: int) -> list[int]:
     """The stages a rank runs, in order."""
     return list(range(rank, num_stages, num_ranks))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .._checks import check_bool, check_int
-from .actions import (Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_stage, result_of, sent_by,
+from .actions import (Kind, Schedule, ScheduleError, check_well_formed, input_of, peer_rank, result_of, sent_by,
                       stage_to_rank, stages_of_rank)
 from .lowering import message, recv_for, send_for
 
@@ -84,18 +84,14 @@ def _check_transfers_listed(lowered: Schedule, num_stages: int) -> None:
             done.add(a)
 
 
-def _peer(action, num_ranks: int) -> int:
-    return stage_to_rank(peer_stage(action), num_ranks)
-
-
 def _check_channels(lowered: Schedule, num_ranks: int) -> None:
     sent, received = defaultdict(list), defaultdict(list)
     for rank, actions in enumerate(lowered):
         for a in actions:
             if a.kind.is_send:
-                sent[(rank, _peer(a, num_ranks))].append(message(a))
+                sent[(rank, peer_rank(a, num_ranks))].append(message(a))
             elif a.kind.is_recv:
-                received[(_peer(a, num_ranks), rank)].append(message(a))
+                received[(peer_rank(a, num_ranks), rank)].append(message(a))
     for channel in sorted(set(sent) | set(received)):
         src, dst = channel
         sends, recvs = sent[channel], received[channel]
@@ -194,7 +190,7 @@ def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) 
     matched: set = set()  # (rank, is_send, message) of transfers that met their peer
 
     def ops(rank: int, batch) -> list:
-        return [(rank, a.kind.is_send, message(a), _peer(a, num_ranks)) for a in batch]
+        return [(rank, a.kind.is_send, message(a), peer_rank(a, num_ranks)) for a in batch]
 
     def advance_streams() -> bool:
         moved = False
