@@ -23,6 +23,7 @@ from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
                      load_hf_weights)
 from .generate import sample
+from .launch import Interrupted, join_group, setup_device, stop_signals_raise, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
 from .models.decoder import check_layout, hf_float32
@@ -33,44 +34,6 @@ CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest s
 # Model fields a checkpoint must agree on to be resumed.
 ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def join_group(cfg: Config) -> bool:
-    """Join torchrun's process group unless there is one; returns whether this call created it."""
-    if world_size() == 1 or dist.is_initialized():
-        return False
-    if _use_cuda(cfg):
-        dist.init_process_group("nccl", device_id=_local_gpu())
-    else:
-        dist.init_process_group("gloo")
-    return True
-
-
-def setup_device(cfg: Config) -> torch.device:
-    """This rank's device; on CPU also its share of the node's cores."""
-    if _use_cuda(cfg):
-        device = _local_gpu()
-        torch.cuda.set_device(device)
-        return device
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(cfg.num_threads or max(1, cores // local_ranks))
-    return torch.device("cpu")
-
-
-def _use_cuda(cfg: Config) -> bool:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device = cuda, but this torch ({torch.__version__}) finds no CUDA GPU; "
-                          "use device = cpu, or auto to take a GPU when there is one")
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-
-
-def _local_gpu() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
@@ -415,26 +378,6 @@ def run(cfg: Config) -> list[dict]:
     return Trainer(cfg).fit()
 
 
-class _Interrupted(KeyboardInterrupt):
-    """A stop asked for from outside: Ctrl-C (SIGINT) or SIGTERM (a job scheduler, torchrun)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _on_signal(signum, frame) -> None:
-    # A second signal (torchrun hands on the Ctrl-C a rank got too, then sends SIGTERM) must not cut the
-    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning).
-    for each in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(each, _ignore)
-    raise _Interrupted(signum)
-
-
-def _ignore(signum, frame) -> None:
-    pass
-
-
 def _interrupted(cfg: Config, signum: int) -> str:
     """The one line an interrupted run ends with: where a new start of the same command resumes."""
     try:
@@ -467,23 +410,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     joins = not dist.is_initialized()
-    # A signal the launcher ignores (SIGINT in a job started with `&` or nohup) stays ignored.
-    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(signum) != signal.SIG_IGN}
     signum = None
     try:
-        run(cfg)
+        with stop_signals_raise():
+            try:
+                run(cfg)
+            finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
+                if joins and dist.is_initialized():
+                    dist.destroy_process_group()
     except (ConfigError, TrainingDiverged) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
-    except _Interrupted as e:
+    except Interrupted as e:
         signum = e.signum
-    finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
-        if joins and dist.is_initialized():
-            dist.destroy_process_group()
-        for each, handler in handlers.items():
-            signal.signal(each, handler)
     if signum is not None:
         if rank == 0:
             print(_interrupted(cfg, signum), file=sys.stderr)

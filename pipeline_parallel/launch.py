@@ -1,0 +1,84 @@
+"""How a process of the training program joins the run: its process group and device (under torchrun
+or alone), and the stop signals (Ctrl-C, SIGTERM) that end it with one exception."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, ConfigError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def join_group(cfg: Config) -> bool:
+    """Join torchrun's process group unless there is one; returns whether this call created it."""
+    if world_size() == 1 or dist.is_initialized():
+        return False
+    if _use_cuda(cfg):
+        dist.init_process_group("nccl", device_id=_local_gpu())
+    else:
+        dist.init_process_group("gloo")
+    return True
+
+
+def setup_device(cfg: Config) -> torch.device:
+    """This rank's device; on CPU also its share of the node's cores."""
+    if _use_cuda(cfg):
+        device = _local_gpu()
+        torch.cuda.set_device(device)
+        return device
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(cfg.num_threads or max(1, cores // local_ranks))
+    return torch.device("cpu")
+
+
+def _use_cuda(cfg: Config) -> bool:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device = cuda, but this torch ({torch.__version__}) finds no CUDA GPU; "
+                          "use device = cpu, or auto to take a GPU when there is one")
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def _local_gpu() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop asked for from outside: Ctrl-C (SIGINT) or SIGTERM (a job scheduler, torchrun)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals_raise():
+    """Inside, SIGINT and SIGTERM raise `Interrupted`; the handlers before are restored after. A signal
+    the launcher ignores (SIGINT in a job started with `&` or nohup) stays ignored."""
+    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _on_signal(signum, frame) -> None:
+    # A second signal (torchrun hands on the Ctrl-C a rank got too, then sends SIGTERM) must not cut the
+    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning).
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, _ignore)
+    raise Interrupted(signum)
+
+
+def _ignore(signum, frame) -> None:
+    pass
