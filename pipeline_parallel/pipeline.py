@@ -258,10 +258,9 @@ class Pipeline:
                                        hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")
         except ValueError as e:
             error = e
-        agree_on_settings(self.comm, {name: _float_bits(value) for name, value in
-                                      (("max_norm", max_norm), ("norm_type", norm_type))}, local_error=error,
-                          details={name: {name: value} for name, value in
-                                   (("max_norm", max_norm), ("norm_type", norm_type))})
+        given = {"max_norm": max_norm, "norm_type": norm_type}
+        agree_on_settings(self.comm, {name: _float_bits(value) for name, value in given.items()}, local_error=error,
+                          details={name: {name: value} for name, value in given.items()})
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else \
