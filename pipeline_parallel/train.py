@@ -26,14 +26,14 @@ from .generate import sample
 from .launch import Interrupted, join_group, setup_device, stop_signals_raise, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
-from .models.decoder import check_layout, hf_float32
+from .models.decoder import check_layout, hf_float32, model_settings
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
-# Model fields a checkpoint must agree on to be resumed.
-ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+# Model settings a resume may change: the initialisation's scale (already done) and the special ids
+# (the tokenizer is checked itself).
+_RESUME_MAY_CHANGE = frozenset({"initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
@@ -48,6 +48,17 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading
+
+
+def _settings_of(model_config: dict) -> dict:
+    """The settings (see `model_settings`) of a checkpoint's Hugging Face config dict as this transformers
+    version reads it (4.55 wrote `rope_theta` where 5 writes `rope_parameters`): only real changes differ."""
+    import transformers
+
+    model_type = model_config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        return model_config
+    return model_settings(transformers.CONFIG_MAPPING[model_type](**model_config))
 
 
 def _given_tokenizer(cfg: Config) -> str | None:
@@ -198,9 +209,9 @@ class Trainer:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
         with as_config_error("resume"):
             extra = read_extra(path)
-        saved, current = extra["model_config"], self.model_config
-        differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now"
-                  for key in ARCH_KEYS if saved.get(key) != current.get(key)]
+        saved, current = _settings_of(extra["model_config"]), _settings_of(self.model_config)
+        differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now" for key in sorted({*saved, *current})
+                  if key not in _RESUME_MAY_CHANGE and saved.get(key) != current.get(key)]
         if differ:
             raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
                               "model settings it was trained with, or start a new run_dir")

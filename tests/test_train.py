@@ -395,9 +395,14 @@ def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(cor
 
 
 def test_resume_with_another_model_names_what_differs(runs, corpus):
-    with pytest.raises(ConfigError, match=r"step_000006 holds another model than configured \(hidden_size 32 there, "
-                       r"48 now\): resume with the model settings it was trained with, or start a new run_dir"):
+    with pytest.raises(ConfigError, match=r"step_000006 holds another model than configured \(head_dim 8 there, 12 "
+                       r"now; hidden_size 32 there, 48 now\): resume with the model settings it was trained with, or "
+                       r"start a new run_dir"):
         Trainer(make_cfg(runs[0], corpus, **{"model.hidden_size": 48}))
+    # Settings that change no shape were taken: the run went on training a model that exists nowhere.
+    with pytest.raises(ConfigError, match=r"holds another model than configured \(rms_norm_eps 1e-05 there, 0.5 now; "
+                       r"rope_(theta|parameters) .*10000.0.* there, .*500000.0.* now\)"):
+        Trainer(make_cfg(runs[0], corpus, **{"model.rope_theta": 500000.0, "model.rms_norm_eps": 0.5}))
 
 
 def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(runs, corpus, tmp_path):
