@@ -137,7 +137,8 @@ def _all_ok(ok: bool, group: Any) -> bool:
 
 
 def _on_rank0(fn: Callable[[], None], rank: int, group: Any, what: str) -> None:
-    """Run `fn` on rank 0 only; if it fails, raise on every rank instead of hanging them."""
+    """Run `fn` (file work) on rank 0 only; if it fails, raise an OSError saying why on every rank
+    instead of hanging them."""
     error = None
     if rank == 0:
         try:
@@ -145,7 +146,10 @@ def _on_rank0(fn: Callable[[], None], rank: int, group: Any, what: str) -> None:
         except Exception as e:
             error = e
     if not _all_ok(error is None, group):
-        raise error if error is not None else RuntimeError(f"rank 0 failed to {what}; see its error")
+        reason = [f"{type(error).__name__}: {error}" if error is not None else None]
+        if _distributed():
+            dist.broadcast_object_list(reason, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        raise OSError(f"could not {what} ({reason[0]}); the previous checkpoint is untouched") from error
 
 
 def _stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -312,10 +316,15 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if optimizer is not None:
         state["optim"] = _add_tied_aliases(model, state["optim"])
     state["rng"] = {f"rank{rank}": rng}  # RNG is per rank: its own keys
-    with _quiet_if_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    try:
+        with _quiet_if_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+        failed, (first, _) = next(iter(e.failures.items()))
+        raise OSError(f"could not write {tmp} (rank {failed}: {type(first).__name__}: {first}); the previous "
+                      "checkpoint is untouched") from None
     _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
-    _on_rank0(publish, rank, group, f"publish {final}; the previous checkpoint is untouched")
+    _on_rank0(publish, rank, group, f"publish {final}")
     if rank == 0 and keep_last > 0:
         # A step later than this one belongs to a run this one abandoned by resuming from an older
         # step: those go first, then the least recently saved.

@@ -85,6 +85,10 @@ class TrainingDiverged(RuntimeError):
     update did (raised before they are saved); on every rank."""
 
 
+class CheckpointNotSaved(RuntimeError):
+    """A checkpoint could not be written (the earlier ones are untouched); on every rank."""
+
+
 class Trainer:
     """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
 
@@ -302,8 +306,12 @@ class Trainer:
                  "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint(),
                  "data_digest": self.data.digest,
                  "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
-        self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
-                                          self.cfg.checkpoint.keep_last)
+        try:
+            self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
+                                              self.cfg.checkpoint.keep_last)
+        except OSError as e:  # on every rank alike: a full disk, a directory that became read-only
+            then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
+            raise CheckpointNotSaved(f"step {self.step}: {e}; make room or fix the directory, then {then}") from e
 
     def fit(self) -> list[dict]:
         """Train to max_steps, evaluating and checkpointing on schedule; returns the logged records."""
@@ -429,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
                 if joins and dist.is_initialized():
                     dist.destroy_process_group()
-    except (ConfigError, TrainingDiverged) as e:
+    except (ConfigError, TrainingDiverged, CheckpointNotSaved) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)

@@ -24,7 +24,7 @@ from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args,
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
 from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
-from pipeline_parallel.train import Trainer, TrainingDiverged, main, run
+from pipeline_parallel.train import CheckpointNotSaved, Trainer, TrainingDiverged, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -614,6 +614,48 @@ def test_divergence_stops_every_rank_before_the_update_and_keeps_the_checkpoints
     assert all(torch.isfinite(p).all() for p in last_rank_weights.values())  # the update was skipped
     model, _ = load_full_model(tmp_path)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _saves_failing(rank, world_size, cfgs):
+    """What each rank raises when rank 1's shards cannot be written, and when rank 0 cannot publish."""
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline_parallel import checkpoint as checkpoint_module
+
+    class FullDisk(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    said = []
+    for cfg, (where, replacement) in zip(cfgs, ((dcp, "FileSystemWriter"), (checkpoint_module, "atomic_write"))):
+        saved = getattr(where, replacement)
+        if rank == (1 if replacement == "FileSystemWriter" else 0):
+            setattr(where, replacement, FullDisk if replacement == "FileSystemWriter" else no_room)
+        try:
+            with pytest.raises(CheckpointNotSaved) as raised:
+                Trainer(cfg).fit()
+            said.append(str(raised.value))
+        finally:
+            setattr(where, replacement, saved)
+    return said
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_message(corpus, tmp_path):
+    """A full disk used to end each rank with its own traceback (and torchrun's)."""
+    cfgs = [make_cfg(tmp_path / name, corpus, **{"checkpoint.interval": 1, "train.max_steps": 2})
+            for name in ("shards", "publish")]
+    (shards0, publish0), (shards1, publish1) = run_distributed(_saves_failing, 2, cfgs)
+    assert shards0 == shards1 and publish0 == publish1
+    assert re.fullmatch(r"step 1: could not write .*shards/checkpoints/step_000001.tmp \(rank 1: OSError: \[Errno 28\] "
+                        r"No space left on device\); the previous checkpoint is untouched; make room or fix the "
+                        r"directory, then start again", shards0), shards0
+    assert re.fullmatch(r"step 1: could not publish .*publish/checkpoints/step_000001 \(OSError: \[Errno 28\] No "
+                        r"space left on device\); the previous checkpoint is untouched; make room or fix the "
+                        r"directory, then start again", publish0), publish0
+    assert ckpt.latest_checkpoint(tmp_path / "shards") is None and ckpt.latest_checkpoint(tmp_path / "publish") is None
 
 
 def _overflow_at_step_2(rank, world_size, cfg):
