@@ -31,6 +31,9 @@ class Tokenizer:
 
     def __init__(self, backend, eos_id: int, hf=None):
         self.backend = backend  # tokenizers.Tokenizer, or None for slow HF tokenizers
+        if backend is not None:  # a file's truncation or padding would cut or pad every document silently
+            backend.no_truncation()
+            backend.no_padding()
         self.hf = hf  # the transformers tokenizer, if that is what was loaded
         self.eos_id = int(eos_id)
 

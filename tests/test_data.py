@@ -194,6 +194,17 @@ def test_trained_tokenizer_reloads_identically(tmp_path):
     assert again.fingerprint() == tok.fingerprint()
 
 
+def test_a_given_tokenizers_truncation_and_padding_do_not_cut_or_pad_the_data(tmp_path):
+    docs = make_docs()
+    tok = get_tokenizer(tmp_path, None, docs, vocab_size=300)
+    full = tok.encode(docs[0])
+    tok.backend.enable_truncation(max_length=4)
+    tok.backend.enable_padding(length=4096)
+    tok.backend.save(str(tmp_path / "cutting.json"))
+    given = get_tokenizer(tmp_path, str(tmp_path / "cutting.json"), [], vocab_size=300)
+    assert given.encode(docs[0]) == full and given.encode_data([docs[0]]) == [full]
+
+
 def test_a_file_that_is_no_tokenizer_json_is_a_clear_error(tmp_path):
     """Such as a tokenizer_config.json, a SentencePiece model or a cut-off tokenizer.json given as data.tokenizer."""
     good = train_bpe(make_docs(), vocab_size=300).backend.to_str()
