@@ -109,6 +109,11 @@ class Trainer:
             vocab_size=cfg.data.vocab_size, text_field=cfg.data.text_field, max_tokens=cfg.data.max_tokens or None,
             eval_fraction=cfg.data.eval_fraction, tokenizer_train_chars=cfg.data.tokenizer_train_chars),
             "preparing the data", faults=_DATA_FAULTS, prefix="data: ", rank0_first=True)
+        digests = self._patient.all_gather_object(self.data.digest)  # each rank read the files itself
+        if len(set(digests)) > 1:
+            raise ConfigError("the ranks read different data (token streams " + ", ".join(
+                f"{digest[:12]} on rank {rank}" for rank, digest in enumerate(digests)) + "): a data file changed "
+                "while it was read, or the nodes' copies differ; give every rank the same files and start again")
         tok = self.data.tokenizer
         model = build_model(cfg, tok.vocab_size)
         if tok.vocab_size > model.config.vocab_size:

@@ -616,6 +616,27 @@ def test_divergence_stops_every_rank_before_the_update_and_keeps_the_checkpoints
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _reading_other_data_on_rank_1(rank, world_size, cfg):
+    import dataclasses
+
+    import pipeline_parallel.train as train
+
+    if rank == 1:  # as if a file changed between the ranks' reads, or another node holds other copies
+        prepare = train.prepare_data
+        train.prepare_data = lambda *args, **kwargs: dataclasses.replace(prepare(*args, **kwargs), digest="f" * 64)
+    with pytest.raises(ConfigError) as raised:
+        Trainer(cfg)
+    return str(raised.value)
+
+
+def test_ranks_that_read_different_data_stop_before_training(corpus, tmp_path):
+    """Each rank reads the files itself: the first rank's inputs and the last rank's labels came from two streams."""
+    for message in run_distributed(_reading_other_data_on_rank_1, 2, make_cfg(tmp_path, corpus)):
+        assert re.fullmatch(r"the ranks read different data \(token streams \w{12} on rank 0, ffffffffffff on rank 1\): "
+                            r"a data file changed while it was read, or the nodes' copies differ; give every rank the "
+                            r"same files and start again", message), message
+
+
 def _saves_failing(rank, world_size, cfgs):
     """What each rank raises when rank 1's shards cannot be written, and when rank 0 cannot publish."""
     import torch.distributed.checkpoint as dcp
