@@ -102,19 +102,20 @@ class PipeComm:
         differ, so equal ones cost one read of the matrix and no transfer of it."""
         peer = self.pp_size - 1 if is_first else 0
         mine = _bits_checksum(tensor)
-        theirs = torch.empty_like(mine)
-        for work in self.post([("send", mine, peer), ("recv", theirs, peer)]):
-            work.wait()
-        if not torch.equal(mine, theirs):
+        if not torch.equal(mine, self._swap(mine, peer)):
             for work in self.post([("send" if is_first else "recv", tensor, peer)]):
                 work.wait()
 
     def exchange_add_(self, tensor: torch.Tensor, peer: int) -> None:
         """Add the peer's copy of `tensor` to ours while it adds ours to its own (tied weights)."""
+        tensor.add_(self._swap(tensor, peer))
+
+    def _swap(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
+        """The peer's copy of `tensor`, for ours."""
         received = torch.empty_like(tensor)
         for work in self.post([("send", tensor, peer), ("recv", received, peer)]):
             work.wait()
-        tensor.add_(received)
+        return received
 
 
 def _bits_checksum(tensor: torch.Tensor) -> torch.Tensor:

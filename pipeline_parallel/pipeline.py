@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 import time
 
 import torch
@@ -251,16 +250,17 @@ class Pipeline:
         gradients, the ranks combine the results, and the tied LM head is counted once. Every rank
         must pass the same arguments; a bad or differing one is an error on every rank.
         """
-        error = None
-        try:
-            check_positive("max_norm", max_norm, allow_inf=True, hint=" (inf: measure the norm, clip nothing)")
-            norm_type = check_positive("norm_type", norm_type, allow_inf=True,
-                                       hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")
+        given, error = {"max_norm": max_norm, "norm_type": norm_type}, None
+        try:  # as floats, so that 1 and 1.0 agree
+            given = {"max_norm": check_positive("max_norm", max_norm, allow_inf=True,
+                                                hint=" (inf: measure the norm, clip nothing)"),
+                     "norm_type": check_positive("norm_type", norm_type, allow_inf=True,
+                                                 hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")}
         except ValueError as e:
             error = e
-        given = {"max_norm": max_norm, "norm_type": norm_type}
-        agree_on_settings(self.comm, {name: _float_bits(value) for name, value in given.items()}, local_error=error,
+        agree_on_settings(self.comm, fingerprint(**given), local_error=error,
                           details={name: {name: value} for name, value in given.items()})
+        norm_type = given["norm_type"]
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else \
@@ -277,14 +277,6 @@ class Pipeline:
         """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
         skip = self._tied_weight if self.is_last else None
         return [p for p in self.parameters() if p is not skip]
-
-
-def _float_bits(value) -> int:
-    """A number's float64 bits as an int, to compare across ranks (0 for what is not a number)."""
-    try:
-        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
-    except (TypeError, ValueError):
-        return 0
 
 
 def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:

@@ -409,8 +409,7 @@ def _interrupted(cfg: Config, signum: int) -> str:
     except ValueError:  # a damaged one: the next start names it
         latest = None
     if latest is None:
-        where = "it saved no checkpoint yet, so the same command starts it again" if cfg.resume != "never" else \
-            "it saved no checkpoint yet; run the same command again"
+        where = "it saved no checkpoint yet, so the same command starts it again"
     elif cfg.resume in ("auto", "latest"):
         where = f"run the same command to resume from its latest checkpoint, {latest} (steps after it are trained again)"
     else:  # the same command would start from `resume` again (or refuse a run_dir that holds a run)

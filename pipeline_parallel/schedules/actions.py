@@ -23,7 +23,7 @@ class Kind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
-        return self in _SENDS or self in _RECVS
+        return self in _COMM
 
     @property
     def is_send(self) -> bool:
@@ -35,6 +35,7 @@ class Kind(str, Enum):
 
 
 _SENDS, _RECVS = {Kind.SEND_F, Kind.SEND_B}, {Kind.RECV_F, Kind.RECV_B}
+_COMM = _SENDS | _RECVS
 
 
 class Action(NamedTuple):

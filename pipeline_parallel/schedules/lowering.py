@@ -43,7 +43,7 @@ def _remote(stage: int, peer: int | None, num_ranks: int) -> bool:
 
 def send_for(action: Action, num_stages: int, num_ranks: int) -> list[Action]:
     """The SEND a compute action's result needs ([] if its user is on the same rank or there is none)."""
-    if action.kind.is_comm or not _remote(action.stage, user_of(action, num_stages), num_ranks):
+    if not _remote(action.stage, user_of(action, num_stages), num_ranks):
         return []
     kind = Kind.SEND_F if action.kind == Kind.F else Kind.SEND_B
     return [Action(kind, action.stage, action.mb)]
