@@ -399,22 +399,36 @@ def accum_tokens(cfg: Config) -> int:
 
 def run(cfg: Config) -> list[dict]:
     """Train as `cfg` says (on every rank of the process group, or launched by torchrun)."""
-    return Trainer(cfg).fit()
-
-
-def _interrupted(cfg: Config, signum: int) -> str:
-    """The one line an interrupted run ends with: where a new start of the same command resumes."""
+    trainer = Trainer(cfg)
     try:
-        latest = latest_checkpoint(cfg.run_dir)
-    except ValueError:  # a damaged one: the next start names it
-        latest = None
-    if latest is None:
+        return trainer.fit()
+    except Interrupted as stop:  # for its message: run_dir's newest may be a checkpoint this run abandoned
+        stop.checkpoint = trainer.checkpoint
+        raise
+
+
+def _interrupted(cfg: Config, stop: Interrupted) -> str:
+    """The one line an interrupted run ends with: the checkpoint it resumed from or saved last (if it
+    stopped while starting, the one it was to resume from), and how to resume from it."""
+    if hasattr(stop, "checkpoint"):  # set by run() once the Trainer was built
+        checkpoint = stop.checkpoint
+    elif cfg.resume not in ("auto", "latest", "never"):
+        checkpoint = Path(cfg.resume)
+    else:
+        try:
+            checkpoint = latest_checkpoint(cfg.run_dir)
+        except ValueError:  # a damaged one: the next start names it
+            checkpoint = None
+    if checkpoint is None:
         where = "it saved no checkpoint yet, so the same command starts it again"
     elif cfg.resume in ("auto", "latest"):
-        where = f"run the same command to resume from its latest checkpoint, {latest} (steps after it are trained again)"
+        where = (f"run the same command to resume from its latest checkpoint, {checkpoint} (steps after it are "
+                 "trained again)")
+    elif checkpoint == Path(cfg.resume):  # it saved none since
+        where = f"run the same command to resume from {checkpoint} again (steps after it are trained again)"
     else:  # the same command would start from `resume` again (or refuse a run_dir that holds a run)
-        where = f"run the same command with --resume latest to resume from its latest checkpoint, {latest}"
-    return f"interrupted by {signal.Signals(signum).name}: {where}"
+        where = f"run the same command with --resume latest to resume from its latest checkpoint, {checkpoint}"
+    return f"interrupted by {signal.Signals(stop.signum).name}: {where}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -433,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
         sys.exit(2)
     joins = not dist.is_initialized()
-    signum = None
+    stopped = None
     try:
         with stop_signals_raise():
             try:
@@ -446,11 +460,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     except Interrupted as e:
-        signum = e.signum
-    if signum is not None:
+        stopped = e
+    if stopped is not None:
         if rank == 0:
-            print(_interrupted(cfg, signum), file=sys.stderr)
-        sys.exit(128 + signum)
+            print(_interrupted(cfg, stopped), file=sys.stderr)
+        sys.exit(128 + stopped.signum)
 
 
 if __name__ == "__main__":

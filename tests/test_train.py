@@ -7,6 +7,7 @@ import io
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -262,27 +263,34 @@ def test_a_check_that_fails_on_one_rank_stops_every_rank_and_is_printed(tmp_path
     assert said0 == "error: rank 1: hf_model /models/mine is not a directory\n", said0
 
 
-def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp_path, monkeypatch, capsys):
-    """Ctrl-C or SIGTERM used to end each rank with a traceback (about 100 lines under torchrun)."""
-    import signal
+@pytest.fixture
+def terminal_signals():
+    """SIGINT and SIGTERM handled as in a terminal (in a job started with `&`, SIGINT is ignored, and stays so)."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
+
+def _stop_by_signal(signum):
+    os.kill(os.getpid(), signum)
+    time.sleep(10)  # the signal's handler raises before this ends
+
+
+def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp_path, monkeypatch, capsys,
+                                                                       terminal_signals):
+    """Ctrl-C or SIGTERM used to end each rank with a traceback (about 100 lines under torchrun)."""
     import pipeline_parallel.train as train
 
-    def run(cfg, signum):
-        os.kill(os.getpid(), signum)
-        time.sleep(10)  # the signal's handler raises before this ends
-
-    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    for signum in before:  # as in a terminal (in a job started with `&`, SIGINT is ignored, and stays so)
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     latest = str(runs[0] / "checkpoints" / "step_000006")
     for run_dir, resume, signum, said in (
             (runs[0], "auto", signal.SIGTERM, r"run the same command to resume from its latest checkpoint, .*step_000006"),
-            # the same command would start from that checkpoint again, and drop the checkpoints saved after it
-            (runs[0], latest, signal.SIGTERM, r"run the same command with --resume latest to resume from its latest "
-                                              r"checkpoint, .*step_000006"),
+            # stopped while starting: the same command starts from the checkpoint it names again
+            (runs[0], latest, signal.SIGTERM, rf"run the same command to resume from {latest} again"),
             (tmp_path, "auto", signal.SIGINT, "it saved no checkpoint yet")):
-        monkeypatch.setattr(train, "run", lambda cfg: run(cfg, signum))
+        monkeypatch.setattr(train, "run", lambda cfg, signum=signum: _stop_by_signal(signum))
         with pytest.raises(SystemExit) as exit_info:
             main(["--run-dir", str(run_dir), "--resume", resume])
         assert exit_info.value.code == 128 + signum
@@ -290,8 +298,33 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
         assert re.fullmatch(rf"interrupted by {signal.Signals(signum).name}: .*{said}.*\n", err), err
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was before
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    for signum, handler in before.items():
-        signal.signal(signum, handler)
+
+
+def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus, tmp_path, monkeypatch, capsys,
+                                                                    terminal_signals):
+    """A run started with --resume of an older checkpoint, stopped before it saved one, named run_dir's
+    newest, of the run it abandoned: the --resume latest it advised went back to that run."""
+    run_dir, config = tmp_path / "run", tmp_path / "run.toml"
+    shutil.copytree(runs[1], run_dir)  # step_000003, and the step_000006 to abandon
+    start = run_dir / "checkpoints" / "step_000003"
+    real_step = Trainer.train_step
+    for interval, stop_at, said in (
+            (0, 4, rf"run the same command to resume from {re.escape(str(start))} again \(steps after it are trained "
+                   r"again\)"),
+            (1, 5, r"run the same command with --resume latest to resume from its latest checkpoint, .*step_000004")):
+        def train_step(self, stop_at=stop_at):
+            record = real_step(self)
+            if self.step == stop_at:
+                _stop_by_signal(signal.SIGTERM)
+            return record
+
+        monkeypatch.setattr(Trainer, "train_step", train_step)
+        config.write_text(to_toml(make_cfg(run_dir, corpus, **{"checkpoint.interval": interval})))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", str(config), "--resume", str(start)])
+        assert exit_info.value.code == 128 + signal.SIGTERM
+        err = capsys.readouterr().err
+        assert re.fullmatch(rf"interrupted by SIGTERM: {said}\n", err), err
 
 
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
