@@ -89,6 +89,11 @@ class CheckpointNotSaved(RuntimeError):
     """A checkpoint could not be written (the earlier ones are untouched); on every rank."""
 
 
+class RunComplete(Exception):
+    """The checkpoint to resume from already reached train.max_steps: nothing to train, and nothing is done
+    (no data prepared, no export made again); raised at start, on every rank."""
+
+
 class Trainer:
     """Builds this rank's stage, data and optimizer (resuming if asked), then trains with `fit()`."""
 
@@ -154,6 +159,8 @@ class Trainer:
         except OSError as e:
             raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
         resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
+        if resume_from is not None:
+            self._check_steps_left(resume_from)
         if cfg.export.at_end:  # found now, not after the whole run has trained
             with as_config_error("export.at_end", FileExistsError):
                 check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
@@ -204,6 +211,17 @@ class Trainer:
                 f"{self.run_dir / 'checkpoints'} first")
         return latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
 
+    def _check_steps_left(self, path: Path) -> None:
+        """Raise RunComplete if `path` is at train.max_steps or past it: starting would only repeat the run's end."""
+        with as_config_error("resume"):
+            step = read_extra(path)["step"]
+        max_steps = self.cfg.train.max_steps
+        if step >= max_steps:
+            raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is {max_steps}, so "
+                              "there is nothing to train (nothing was changed). To train further, raise "
+                              "train.max_steps; to export that checkpoint again: python -m pipeline_parallel.export "
+                              f"{path}")
+
     def _resume_or_start(self, path: Path | None) -> None:
         cfg = self.cfg
         if path is not None:
@@ -238,9 +256,6 @@ class Trainer:
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
         self.say(f"resumed from {path} at step {self.step}")
-        if self.step >= self.cfg.train.max_steps:
-            self.say(f"step {self.step} already reaches train.max_steps {self.cfg.train.max_steps}: nothing to train "
-                     "(the end of the run follows, with this checkpoint's model); raise train.max_steps to train on")
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum_steps pipeline steps; returns its metrics."""
@@ -433,7 +448,7 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: a config error, divergence or interruption ends every rank with one line,
-    no traceback.
+    no traceback; so does a start on a run that is complete, with exit code 0.
 
     A rank that cannot read its command line says so itself (they have not met yet); once the
     ranks have met and agreed on the settings, every error is raised alike everywhere and rank 0
@@ -459,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    except RunComplete as e:  # not a failure: a job started again after it finished succeeds
+        if rank == 0:
+            print(e)
     except Interrupted as e:
         stopped = e
     if stopped is not None:

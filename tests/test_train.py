@@ -65,6 +65,9 @@ def make_cfg(run_dir: Path, corpus: tuple[Path, Path], **overrides):
     return with_overrides(load_config(), **{**base, **overrides})
 
 
+_MORE_STEPS = {"train.max_steps": 8}  # for a resume of the complete 6-step runs to have steps to train
+
+
 def _fit(rank, world_size, cfg):
     return run(cfg)
 
@@ -405,16 +408,32 @@ def test_ranks_wait_for_long_data_preparation_and_export(corpus, tmp_path):
 
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     changed = {"optim.weight_decay": 0.0, "optim.beta1": 0.5, "optim.eps": 1e-3}
-    trainer = Trainer(make_cfg(runs[0], corpus, **changed))  # resumes at step 6 (saved on 2 ranks)
+    trainer = Trainer(make_cfg(runs[0], corpus, **changed, **_MORE_STEPS))  # resumes at step 6 (saved on 2 ranks)
     assert trainer.step == 6
     for group in trainer.optimizer.param_groups:
         assert group["weight_decay"] == 0.0 and group["betas"][0] == 0.5 and group["eps"] == 1e-3
     assert trainer.optimizer.state  # the moments were loaded
 
 
-def test_resuming_at_or_past_max_steps_says_there_is_nothing_to_train(runs, corpus, capsys):
-    Trainer(make_cfg(runs[0], corpus, **{"train.max_steps": 4}))  # the run holds step 6
-    assert "step 6 already reaches train.max_steps 4: nothing to train" in capsys.readouterr().out
+def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_further(runs, corpus, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """The same command again (a job started twice) prepared the data, loaded the checkpoint, exported and
+    sampled again, and rewrote config.toml: the end of the run once more, for nothing."""
+    import pipeline_parallel.train as train
+
+    run_dir, config = tmp_path / "run", tmp_path / "run.toml"
+    shutil.copytree(runs[0], run_dir)  # complete at step 6
+    files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    monkeypatch.setattr(train, "prepare_data", None)  # not called
+    last = run_dir / "checkpoints" / "step_000006"
+    for max_steps in (6, 4):
+        config.write_text(to_toml(make_cfg(run_dir, corpus, **{"train.max_steps": max_steps, "export.at_end": True})))
+        main(["--config", str(config)])  # returns: exit code 0
+        assert capsys.readouterr().out == (
+            f"the run is complete: {last} is at step 6 and train.max_steps is {max_steps}, so there is nothing to "
+            "train (nothing was changed). To train further, raise train.max_steps; to export that checkpoint "
+            f"again: python -m pipeline_parallel.export {last}\n")
+        assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
 
 
 def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
@@ -431,11 +450,11 @@ def test_resume_with_another_model_names_what_differs(runs, corpus):
     with pytest.raises(ConfigError, match=r"step_000006 holds another model than configured \(head_dim 8 there, 12 "
                        r"now; hidden_size 32 there, 48 now\): resume with the model settings it was trained with, or "
                        r"start a new run_dir"):
-        Trainer(make_cfg(runs[0], corpus, **{"model.hidden_size": 48}))
+        Trainer(make_cfg(runs[0], corpus, **_MORE_STEPS, **{"model.hidden_size": 48}))
     # Settings that change no shape were taken: the run went on training a model that exists nowhere.
     with pytest.raises(ConfigError, match=r"holds another model than configured \(rms_norm_eps 1e-05 there, 0.5 now; "
                        r"rope_(theta|parameters) .*10000.0.* there, .*500000.0.* now\)"):
-        Trainer(make_cfg(runs[0], corpus, **{"model.rope_theta": 500000.0, "model.rms_norm_eps": 0.5}))
+        Trainer(make_cfg(runs[0], corpus, **_MORE_STEPS, **{"model.rope_theta": 500000.0, "model.rms_norm_eps": 0.5}))
 
 
 def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(runs, corpus, tmp_path):
@@ -446,7 +465,7 @@ def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(r
     assert other.vocab_size == 320  # the same model shape: only the tokenizer tells them apart
     kept = {name: (whole / name).read_bytes() for name in ("config.toml", "tokenizer/tokenizer.json")}
     with pytest.raises(ConfigError, match="another tokenizer"):
-        Trainer(make_cfg(whole, corpus, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
+        Trainer(make_cfg(whole, corpus, **_MORE_STEPS, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
     assert {name: (whole / name).read_bytes() for name in kept} == kept
 
 
@@ -476,7 +495,7 @@ def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, 
         for key, value in (("vocab_size", 400), ("tokenizer_train_chars", 1000)):
             with pytest.raises(ConfigError, match=rf"data: .*tokenizer.json was trained with {key} = .*, and a run "
                                                   rf"there reuses it, but {key} = {value} is asked for: .*new run"):
-                Trainer(make_cfg(tmp_path, corpus, **{**own, f"data.{key}": value}))
+                Trainer(make_cfg(tmp_path, corpus, **{**own, f"data.{key}": value, "train.max_steps": 2}))
     Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))  # the same tokenizer settings resume
 
 
