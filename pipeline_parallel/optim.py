@@ -31,16 +31,19 @@ def set_hyperparameters(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, cosine to min_lr, then min_lr.
+    """Learning rate of optimizer step `step` (0-based): linear warmup to lr, cosine to min_lr, then min_lr.
 
-    A pure function of the step, so a resumed run needs to restore nothing but the step.
+    Counted as the run logs and saves steps, from 1 (as torchtitan counts): lr at step warmup_steps,
+    min_lr at step lr_decay_steps (by default max_steps, the last). A pure function of the step, so a
+    resumed run needs to restore nothing but the step.
     """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    number = step + 1
+    if number <= cfg.warmup_steps:
+        return cfg.lr * number / cfg.warmup_steps
     decay_steps = cfg.lr_decay_steps or max_steps
-    if step >= decay_steps:
+    if number >= decay_steps:
         return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
+    progress = (number - cfg.warmup_steps) / (decay_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 

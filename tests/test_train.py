@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import shutil
@@ -210,6 +211,19 @@ def test_resume_gives_the_same_losses(runs):
     assert _losses(split) == _losses(whole)  # exact: fp32 on CPU, same data, optimizer and LR position
     assert _losses(split, "eval_loss") == _losses(whole, "eval_loss")
     assert sorted(_losses(whole)) == [1, 2, 3, 4, 5, 6] and _losses(whole)[6] < _losses(whole)[1]
+
+
+def test_the_learning_rate_warms_up_to_lr_then_reaches_min_lr_at_the_last_step(runs):
+    """Steps are logged and saved counted from 1, but the cosine counted them from 0: lr_decay_steps (here
+    max_steps) trained above min_lr, which came a step after it, and the peak lr was taken twice."""
+    lr, min_lr, warmup, decay = 1e-2, 3e-4, 2, 6  # make_cfg's
+
+    def cosine(step):  # torchtitan's warmup-cosine in these step numbers
+        return min_lr + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (decay - warmup))) * (lr - min_lr)
+
+    want = {step: lr * step / warmup if step <= warmup else cosine(step) for step in range(1, 7)}
+    assert _losses(runs[0], "lr") == pytest.approx(want, rel=1e-12)
+    assert want[6] == pytest.approx(min_lr, rel=1e-12)
 
 
 def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
