@@ -1,11 +1,15 @@
 """How a process of the training program joins the run: its process group and device (under torchrun
-or alone), and the stop signals (Ctrl-C, SIGTERM) that end it with one exception."""
+or alone), the stop signals (Ctrl-C, SIGTERM) that end it with one exception, and the line it fails with
+in torchrun's report."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,17 @@ def _use_cuda(cfg: Config) -> bool:
 
 def _local_gpu() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def tell_torchrun(message: str) -> None:
+    """Write `message` where torchrun reads this rank's error, so its failure report shows it rather than a link
+    to its docs, whichever rank it finds failed first (even one that printed nothing). As torch's
+    `ErrorHandler.record_exception` writes it, with the message in place of a traceback; nothing without torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        error = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        with contextlib.suppress(OSError):  # the report is a courtesy: the error itself is printed
+            Path(path).write_text(json.dumps({"message": error}))
 
 
 class Interrupted(KeyboardInterrupt):

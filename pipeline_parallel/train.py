@@ -10,6 +10,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
                      load_hf_weights)
 from .generate import sample
-from .launch import Interrupted, join_group, setup_device, stop_signals_raise, world_size
+from .launch import Interrupted, join_group, setup_device, stop_signals_raise, tell_torchrun, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
 from .models.decoder import check_layout, hf_float32, model_settings
@@ -446,6 +447,17 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
     return f"interrupted by {signal.Signals(stop.signum).name}: {where}"
 
 
+_FAILURES = (ConfigError, TrainingDiverged, CheckpointNotSaved)  # raised alike on every rank; end with one line
+
+
+def _fail(message: str, code: int, show: bool) -> NoReturn:
+    """End this rank with exit `code`, `message` printed if `show` and written for torchrun's report on every rank."""
+    tell_torchrun(message)
+    if show:
+        print(message, file=sys.stderr)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: a config error, divergence or interruption ends every rank with one line,
     no traceback; so does a start on a run that is complete, with exit code 0.
@@ -459,10 +471,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_args(argv)
     except ConfigError as e:
-        print(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", file=sys.stderr)
-        sys.exit(2)
+        _fail(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", 2, show=True)
     joins = not dist.is_initialized()
-    stopped = None
     try:
         with stop_signals_raise():
             try:
@@ -470,19 +480,21 @@ def main(argv: list[str] | None = None) -> None:
             finally:  # a group left to the interpreter's exit can abort the process (SIGABRT) instead of exiting
                 if joins and dist.is_initialized():
                     dist.destroy_process_group()
-    except (ConfigError, TrainingDiverged, CheckpointNotSaved) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
     except RunComplete as e:  # not a failure: a job started again after it finished succeeds
         if rank == 0:
             print(e)
-    except Interrupted as e:
-        stopped = e
-    if stopped is not None:
+        return
+    except (*_FAILURES, Interrupted) as e:
+        stop = e
+    else:
+        return
+    if isinstance(stop, Interrupted) and isinstance(stop.__context__, _FAILURES):
+        stop = stop.__context__  # torchrun stopping this rank because another one already failed with it
+    if isinstance(stop, Interrupted):
         if rank == 0:
-            print(_interrupted(cfg, stopped), file=sys.stderr)
-        sys.exit(128 + stopped.signum)
+            print(_interrupted(cfg, stop), file=sys.stderr)
+        sys.exit(128 + stop.signum)
+    _fail(f"error: {stop}", 2 if isinstance(stop, ConfigError) else 1, show=rank == 0)
 
 
 if __name__ == "__main__":

@@ -198,11 +198,37 @@ def test_configs_and_docs_cover_every_key():
     assert [key for key in KEYS if f"`{key}`" not in docs] == []
 
 
-def test_main_reports_config_errors(capsys):
+def test_main_reports_config_errors(capsys, tmp_path, monkeypatch):
+    """Also in torchrun's failure report, which showed a link to its docs where the error belongs."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # as torchrun gives each rank
     with pytest.raises(SystemExit) as exit_info:
         main(["--train.batch_size", "6"])
     assert exit_info.value.code == 2
-    assert "not divisible" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert said.startswith("error: train.batch_size 6 is not divisible"), said
+    failure = ProcessFailure(local_rank=1, pid=0, exitcode=2, error_file=str(tmp_path / "error.json"))
+    report = ChildFailedError("pipeline_parallel.train", {1: failure}).format_msg()
+    assert f"traceback : {said}" in report, report
+
+
+def test_a_stop_signal_while_failing_reports_the_failure(monkeypatch, capsys, terminal_signals):
+    """torchrun stops the other ranks with SIGTERM once one exits with the error they all raised: rank 0,
+    still leaving its process group, said "interrupted by SIGTERM: ... resume" instead of the error."""
+    import pipeline_parallel.train as train
+
+    def run(cfg):
+        try:
+            raise ConfigError("train.batch_size 6 is not divisible by pipeline.num_microbatches 4")
+        finally:
+            _stop_by_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train, "run", run)
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: train.batch_size 6 is not divisible by pipeline.num_microbatches 4\n"
 
 
 def test_resume_gives_the_same_losses(runs):
