@@ -10,6 +10,7 @@ pipeline size. The output is `model.safetensors`, `config.json` and the tokenize
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -117,6 +118,21 @@ def run_tokenizer(run_dir: str | Path) -> Tokenizer:
             f"read with the tokenizer of its run directory, so give it where it lies there "
             f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
     return load_tokenizer(path)
+
+
+def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None) -> bool:
+    """Whether `tokenizer` has the fingerprint a checkpoint recorded; True if it recorded none.
+
+    Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
+    training loaded it."""
+    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer)
+
+
+def _old_fingerprints(tokenizer: Tokenizer) -> set[str]:
+    """The fingerprints `matches_fingerprint` accepts from checkpoints saved before they were canonical."""
+    backend = tokenizer.backend
+    texts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.hf.get_vocab().items()))]
+    return {hashlib.sha256(text.encode()).hexdigest() for text in texts}
 
 
 def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:

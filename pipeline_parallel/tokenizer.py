@@ -91,12 +91,19 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=False)
 
     def fingerprint(self) -> str:
-        """Hash of the full tokenizer definition, to key caches of tokenised data."""
+        """Hash of what makes this tokenizer's ids, to key caches of tokenised data and to tell the
+        tokenizer a checkpoint was trained with from another; the same in memory, saved and reloaded.
+
+        The post-processor counts by the ids it puts around a text (`document_ends`), all that
+        training takes of it: transformers gives a tokenizer.json it loads a no-op one in place of
+        none, so its JSON differed between a tokenizer and its saved copy. The end-of-text id counts too."""
         if self.backend is not None:
-            text = self.backend.to_str()
+            definition = json.loads(self.backend.to_str())
+            definition.pop("post_processor", None)
         else:
-            text = repr(sorted(self.hf.get_vocab().items()))
-        return hashlib.sha256(text.encode()).hexdigest()
+            definition = sorted(self.hf.get_vocab().items())
+        canonical = {"definition": definition, "document_ends": self.document_ends, "eos_id": self.eos_id}
+        return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
 
     def save(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """Write files that both `load_tokenizer(directory)` and `transformers.AutoTokenizer`

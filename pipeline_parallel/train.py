@@ -22,7 +22,7 @@ from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
-                     load_hf_weights)
+                     load_hf_weights, matches_fingerprint)
 from .generate import sample
 from .launch import Interrupted, join_group, setup_device, stop_signals_raise, tell_torchrun, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
@@ -243,7 +243,7 @@ class Trainer:
         if differ:
             raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
                               "model settings it was trained with, or start a new run_dir")
-        if extra.get("tokenizer", self.data.tokenizer.fingerprint()) != self.data.tokenizer.fingerprint():
+        if not matches_fingerprint(self.data.tokenizer, extra.get("tokenizer")):
             raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                               "the tokenizer it was trained with, or start a new run_dir")
         if extra.get("data_digest", self.data.digest) != self.data.digest:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -15,7 +16,7 @@ from _dist import run_distributed
 from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is a fixture)
 
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
-from pipeline_parallel.config import ConfigError
+from pipeline_parallel.config import ConfigError, with_overrides
 from pipeline_parallel.data import TokenBatches, prepare_data
 from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
@@ -190,6 +191,46 @@ def test_a_checkpoint_moved_out_of_its_run_directory_is_refused_before_the_model
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(moved), "--out", str(tmp_path / "hf")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith(f"error: {tmp_path.resolve()}")
+
+
+def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
+    """A checkpoint records its tokenizer's fingerprint, which export compares with the run's saved copy:
+    transformers gave the copy a no-op post-processor, so the fingerprints of one tokenizer differed."""
+    from tokenizers.processors import TemplateProcessing
+
+    text = "def answer(self):\n    return 42\n" * 20
+    ours = train_bpe([text], vocab_size=300)
+    ours.save(tmp_path / "saved")
+    copy = load_tokenizer(tmp_path / "saved")
+    copy.save(tmp_path / "resaved")
+    assert {tok.fingerprint() for tok in (ours, copy, load_tokenizer(tmp_path / "saved" / "tokenizer.json"),
+                                          load_tokenizer(tmp_path / "resaved"))} == {ours.fingerprint()}
+
+    backend = train_bpe([text], vocab_size=300).backend  # a Llama-like one: BOS before each text, EOS </s>
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    (tmp_path / "llama").mkdir()
+    backend.save(str(tmp_path / "llama" / "tokenizer.json"))
+    (tmp_path / "llama" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "bos_token": "<s>"}))
+    llama = load_tokenizer(tmp_path / "llama")
+    llama.save(tmp_path / "llama-copy")
+    assert load_tokenizer(tmp_path / "llama-copy").fingerprint() == llama.fingerprint() != ours.fingerprint()
+    bare = load_tokenizer(tmp_path / "llama" / "tokenizer.json")  # the same JSON, another end-of-text token
+    assert bare.eos_id != llama.eos_id and bare.fingerprint() != llama.fingerprint()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_the_fingerprint_of_earlier_versions_still_resumes(trained, tmp_path):
+    """Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
+    training loaded it."""
+    run_dir, cfg = trained
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    meta = latest_checkpoint(run) / "meta.json"
+    saved = json.loads(meta.read_text())
+    saved["extra"]["tokenizer"] = hashlib.sha256(load_tokenizer(cfg.data.tokenizer).backend.to_str().encode()).hexdigest()
+    meta.write_text(json.dumps(saved))
+    assert Trainer(with_overrides(cfg, run_dir=str(run))).step == 4
 
 
 def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_path):
