@@ -108,35 +108,55 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def run_tokenizer(run_dir: str | Path) -> Tokenizer:
-    """The tokenizer a run trained with: the user's copy in run_dir/tokenizer, else the trained one."""
-    run_dir = Path(run_dir)
+def run_tokenizer(checkpoint: Path) -> Tokenizer:
+    """The tokenizer `checkpoint` was trained with, from its run directory: the user's copy in
+    run_dir/tokenizer, else the one trained there. One that is not what the checkpoint recorded is refused."""
+    run_dir = checkpoint.parent.parent
     path = run_dir / TOKENIZER_DIR if (run_dir / TOKENIZER_DIR).is_dir() else run_dir / TOKENIZER_FILE
     if not path.exists():
         raise FileNotFoundError(
             f"{run_dir.resolve()} holds no tokenizer ({TOKENIZER_DIR}/ or {TOKENIZER_FILE}); a checkpoint is "
             f"read with the tokenizer of its run directory, so give it where it lies there "
             f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
-    return load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    recorded = read_extra(checkpoint).get("tokenizer")
+    if not matches_fingerprint(tokenizer, recorded, path):
+        raise ValueError(
+            f"{path} is not the tokenizer {checkpoint} was trained with (fingerprint {tokenizer.fingerprint()[:12]}, "
+            f"{tokenizer.vocab_size:,} tokens; the checkpoint's is {recorded[:12]}): it was replaced after the "
+            f"checkpoint was saved, and the model would read and write another tokenizer's ids. Put back the one it "
+            f"was trained with (the files of its data.tokenizer or --hf-model in {run_dir / TOKENIZER_DIR}; one the "
+            f"run trained as {run_dir / TOKENIZER_FILE}, with no {TOKENIZER_DIR}/ beside it), or give a checkpoint "
+            f"trained with this one")
+    return tokenizer
 
 
-def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None) -> bool:
-    """Whether `tokenizer` has the fingerprint a checkpoint recorded; True if it recorded none.
+def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None, path: Path | None = None) -> bool:
+    """Whether `tokenizer` (loaded from `path`) has the fingerprint a checkpoint recorded; True if it recorded none.
 
     Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
-    training loaded it."""
-    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer)
+    training loaded it, which is the tokenizer's own or, for a run's copy of a tokenizer.json, that
+    file read by the tokenizers library (transformers, which reads the copy, adds a post-processor)."""
+    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer, path)
 
 
-def _old_fingerprints(tokenizer: Tokenizer) -> set[str]:
+def _old_fingerprints(tokenizer: Tokenizer, path: Path | None) -> set[str]:
     """The fingerprints `matches_fingerprint` accepts from checkpoints saved before they were canonical."""
+    from tokenizers import Tokenizer as RawTokenizer
+
     backend = tokenizer.backend
     texts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.hf.get_vocab().items()))]
+    if path is not None and (Path(path) / TOKENIZER_FILE).is_file():
+        raw = RawTokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
+        raw.no_truncation()  # as `Tokenizer` loads it
+        raw.no_padding()
+        texts.append(raw.to_str())
     return {hashlib.sha256(text.encode()).hexdigest() for text in texts}
 
 
 def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
-    """Make `run_tokenizer(run_dir)` this run's: a copy of the `given` tokenizer, or (None) the one trained there.
+    """Make the `run_tokenizer` of run_dir's checkpoints this run's: a copy of the `given` tokenizer, or
+    (None) the one trained there.
 
     A copy an earlier start kept is replaced, not left to be exported in place of this run's
     tokenizer, and not merged with: a tokenizer's files differ from one kind to another.
@@ -163,7 +183,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     import transformers
 
     checkpoint = resolve_checkpoint(path)
-    tokenizer = run_tokenizer(checkpoint.parent.parent)  # found missing now, not after loading the model
+    tokenizer = run_tokenizer(checkpoint)  # found missing or replaced now, not after loading the model
     config = dict(read_extra(checkpoint)["model_config"])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):

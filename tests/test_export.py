@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,17 +221,49 @@ def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
     assert bare.eos_id != llama.eos_id and bare.fingerprint() != llama.fingerprint()
 
 
+def _replace_run_tokenizer(run, cfg):
+    """Put another tokenizer of the same size in place of the tokenizer of the run in `run`."""
+    text = Path(cfg.data.path[0]).read_text()
+    other = train_bpe([text[len(text) // 2:] + text[: len(text) // 2].upper()], vocab_size=320)
+    assert other.vocab_size == load_tokenizer(run / "tokenizer").vocab_size  # only the fingerprint tells them apart
+    shutil.rmtree(run / "tokenizer")
+    other.save(run / "tokenizer")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_checkpoint_with_the_fingerprint_of_earlier_versions_still_resumes(trained, tmp_path):
+def test_export_and_generate_refuse_a_tokenizer_the_checkpoint_was_not_trained_with(trained, tmp_path, capsys):
+    run_dir, cfg = trained
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    _replace_run_tokenizer(run, cfg)
+    refused = (r"run/tokenizer is not the tokenizer .*step_000004 was trained with \(fingerprint \w{12}, 320 tokens; "
+               r"the checkpoint's is \w{12}\): it was replaced after the checkpoint was saved, .* Put back the one it "
+               r"was trained with \(the files of its data.tokenizer or --hf-model in .*run/tokenizer; one the run "
+               r"trained as .*run/tokenizer.json, with no tokenizer/ beside it\), or give a checkpoint trained with "
+               r"this one")
+    with pytest.raises(ValueError, match=refused):
+        export(run, tmp_path / "hf")
+    for main, args in ((export_main, [str(run), "--out", str(tmp_path / "hf")]), (generate_main, [str(run)])):
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2 and re.fullmatch(f"error: .*{refused}\n", capsys.readouterr().err)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_the_fingerprint_of_earlier_versions_still_exports_and_resumes(trained, tmp_path):
     """Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
-    training loaded it."""
+    training loaded it; the run's copy of a tokenizer.json is loaded by transformers, which changes it."""
     run_dir, cfg = trained
     run = shutil.copytree(run_dir, tmp_path / "run")
     meta = latest_checkpoint(run) / "meta.json"
     saved = json.loads(meta.read_text())
     saved["extra"]["tokenizer"] = hashlib.sha256(load_tokenizer(cfg.data.tokenizer).backend.to_str().encode()).hexdigest()
     meta.write_text(json.dumps(saved))
+    assert export(run, tmp_path / "hf")[0] == tmp_path / "hf"
     assert Trainer(with_overrides(cfg, run_dir=str(run))).step == 4
+    _replace_run_tokenizer(run, cfg)
+    with pytest.raises(ValueError, match="is not the tokenizer"):
+        export(run, tmp_path / "hf")
 
 
 def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_path):
