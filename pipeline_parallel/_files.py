@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -11,6 +12,15 @@ def temporary_path(path: Path) -> Path:
     """A hidden name beside `path` that no other process uses (host and pid in it), to write into
     before renaming onto `path`."""
     return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def temporary_dir(path: Path) -> Path:
+    """An empty directory at the `temporary_path` of `path`, to fill before renaming it onto `path`; what a
+    killed process of the same host and pid left there is removed, not merged in."""
+    tmp = temporary_path(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import stat
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._files import temporary_dir
 from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
@@ -162,7 +162,7 @@ def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
     tokenizer, and not merged with: a tokenizer's files differ from one kind to another.
     """
     copy = Path(run_dir) / TOKENIZER_DIR
-    fresh = copy.with_name(f".{copy.name}.{secrets.token_hex(4)}.tmp")
+    fresh = temporary_dir(copy)
     try:
         if given is not None:
             given.save(fresh)
@@ -212,8 +212,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     out_dir = Path(os.path.abspath(out_dir))  # named, where the user's was '..'
     if out_dir.is_symlink() and out_dir.is_dir():
         out_dir = out_dir.resolve()
-    tmp = out_dir.with_name(f".{out_dir.name}.{secrets.token_hex(4)}.tmp")  # a name no one else uses
-    tmp.mkdir(parents=True)
+    tmp = temporary_dir(out_dir)
     try:
         _write_hf_model(model, tokenizer, tmp, dtype, source)
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -16,10 +16,12 @@ import transformers
 from _dist import run_distributed
 from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is a fixture)
 
+from pipeline_parallel import export as export_module
+from pipeline_parallel._files import temporary_path
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
 from pipeline_parallel.config import ConfigError, with_overrides
 from pipeline_parallel.data import TokenBatches, prepare_data
-from pipeline_parallel.export import export, load_full_model, main as export_main, save_hf_model
+from pipeline_parallel.export import export, keep_run_tokenizer, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
@@ -279,6 +281,30 @@ def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_p
     config.bos_token_id = config.eos_token_id = tok.eos_id  # what hf_config_dict does for another tokenizer
     replaced = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "replaced", source=source)
     assert not (replaced / "generation_config.json").exists()
+
+
+def test_export_writes_through_the_temporary_path_of_its_output(tmp_path, monkeypatch):
+    """Export's temporary directories are named as the other files' are (`_files.temporary_path`: host and
+    pid); what a killed process of the same host and pid left there is not merged in, and a failure leaves none."""
+    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    for left in (temporary_path(tmp_path / "hf"), temporary_path(tmp_path / "run" / "tokenizer")):
+        left.mkdir(parents=True)
+        (left / "tokenizer.model").write_text("left by a killed process")
+    out = save_hf_model(model, tok, tmp_path / "hf")
+    keep_run_tokenizer(tmp_path / "run", tok)
+    for written in (out, tmp_path / "run" / "tokenizer"):
+        assert not (written / "tokenizer.model").exists() and not temporary_path(written).exists()
+
+    def fail(model, tokenizer, tmp, *args):
+        assert tmp == temporary_path(tmp_path / "failed") and tmp.is_dir()
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(export_module, "_write_hf_model", fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_hf_model(model, tok, tmp_path / "failed")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "run"]
 
 
 def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
