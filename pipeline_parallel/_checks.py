@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+
+# What in a str is no UTF-8: undecodable bytes of a command line or file name (surrogateescape), unpaired
+# surrogate escapes of JSON. Neither a tokenizer nor a TOML file takes them.
+SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def is_int(value) -> bool:
     """Whether `value` is an integer (numpy's too), not a bool."""
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def is_utf8(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (holds none of `SURROGATES`)."""
+    return SURROGATES.search(text) is None
 
 
 def _real(value) -> float | None:

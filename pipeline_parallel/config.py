@@ -19,6 +19,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
+from ._checks import is_utf8
 from .checkpoint import is_checkpoint
 from .models import PRESETS, LlamaConfig
 from .partition import balanced_layer_counts, check_layer_counts
@@ -411,7 +412,7 @@ def to_toml(cfg: Config) -> str:
             return "[" + ", ".join(value(x, key) for x in v) + "]"
         if not isinstance(v, str):
             return repr(v)
-        if any("\ud800" <= c <= "\udfff" for c in v):  # undecodable bytes of a file name: no TOML text holds them
+        if not is_utf8(v):  # undecodable bytes of a file name: no TOML text holds them
             raise ConfigError(f"{key}: {v!r} is not valid UTF-8 text (a file name in another encoding?); rename it")
         # Non-ASCII stays readable (TOML has no surrogate-pair escapes); DEL, which JSON leaves bare, is escaped.
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")

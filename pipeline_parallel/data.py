@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 import numpy as np
 import torch
 
+from ._checks import SURROGATES
 from .loss import IGNORE_INDEX
 from .tokenizer import Tokenizer, cached_tokens, get_tokenizer, stream_digest
 
@@ -97,7 +98,8 @@ def _field(record, field: str, where: str) -> str:
     text = record[field]
     if text is not None and not isinstance(text, str):
         raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, not text")
-    return text or ""
+    # An unpaired surrogate escape ("\ud800", half an emoji) is JSON's undecodable byte: replaced, as those are.
+    return SURROGATES.sub("\ufffd", text) if text else ""
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:

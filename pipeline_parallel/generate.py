@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._checks import is_utf8
 from .checkpoint import is_checkpoint
 from .export import load_full_model
 from .models import generate
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     if args.seed + args.num_samples > 2**63:  # sample i takes seed + i; torch's generators take less than 2**63
         parser.error(f"--seed must be below 2**63 - --num-samples, got {args.seed}")
+    if not is_utf8(args.prompt):  # bytes typed in another encoding: no tokenizer takes them
+        parser.error("--prompt is not valid UTF-8 text (typed in another encoding?); give it in UTF-8")
     try:
         model, tokenizer = load_model(args.path)
     except (OSError, ValueError) as e:  # nothing loadable there

@@ -66,6 +66,10 @@ def test_jsonl_with_custom_field(tmp_path):
         documents(D.expand_sources(path))
     path.write_text('{"text": "caf\xe9"}\n'.encode("latin-1").decode("utf-8", "surrogateescape"), errors="surrogateescape")
     assert documents(D.expand_sources(path)) == ["caf\ufffd"]
+    # An unpaired surrogate escape, JSON's undecodable byte, is replaced too: it stopped the tokenizer with a TypeError.
+    path.write_text('{"text": "abc \\ud800 def \\ud83d\\ude00"}\n')
+    assert documents(D.expand_sources(path)) == ["abc \ufffd def \U0001F600"]
+    assert D.prepare_data(tmp_path / "run", path, seq_len=2, vocab_size=300, eval_fraction=0).num_tokens > 3
     # A file saved with a byte-order mark (Windows tools, utf-8-sig): the JSONL was refused, the text kept U+FEFF.
     path.write_bytes(b'\xef\xbb\xbf{"text": "x"}\n')
     text = tmp_path / "bom.txt"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -98,6 +99,13 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(tmp_path / "nothing-here")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
+    """Bytes in another encoding (argv "caf\\xe9" reaches Python as "caf\\udce9") stopped the tokenizer, a TypeError."""
+    with pytest.raises(SystemExit) as exit_info:  # before loading anything
+        generate_main([str(tmp_path), "--prompt", os.fsdecode(b"caf\xe9")])
+    assert exit_info.value.code == 2 and "--prompt is not valid UTF-8 text" in capsys.readouterr().err
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
