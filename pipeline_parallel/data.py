@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,12 +149,25 @@ def _hf_documents(spec: str, field: str) -> Iterator[str]:
 PIECE_CHARS = 1 << 20  # documents are handled in pieces of at most this many characters
 
 
+_BETWEEN_WORDS = re.compile(r"(?<=\S) (?=\S)")  # a space with a word on either side
+
+
+def _cut_at(buffer: str, max_chars: int) -> int:
+    """Where a piece of `buffer` ends: before its last space between two words (in its last 4096
+    characters), where byte-level BPE, SentencePiece-style and whitespace pre-tokenizers all end a
+    token, so the pieces tokenize as the whole does; else after its last newline; else at `max_chars`."""
+    spaces = list(_BETWEEN_WORDS.finditer(buffer, max(1, max_chars - 4096), max_chars + 1))
+    if spaces:
+        return spaces[-1].start()
+    return buffer.rfind("\n", 0, max_chars) + 1 or max_chars
+
+
 def _cut(read: Callable[[int], str], max_chars: int) -> Iterator[tuple[str, bool]]:
-    """One document as (text, ends_document) pieces of at most `max_chars`, each cut after its
-    last newline where it has one; `read(n)` gives up to n more characters, "" at the end."""
+    """One document as (text, ends_document) pieces of at most `max_chars`, cut by `_cut_at`;
+    `read(n)` gives up to n more characters, "" at the end."""
     buffer = read(max_chars + 1)
     while len(buffer) > max_chars:
-        cut = buffer.rfind("\n", 0, max_chars) + 1 or max_chars
+        cut = _cut_at(buffer, max_chars)
         yield buffer[:cut], False
         buffer = buffer[cut:]
         buffer += read(max_chars + 1 - len(buffer))

@@ -51,19 +51,32 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_data(self, texts: list[str]) -> list[list[int]]:
+    def encode_data(self, texts: list[str], continued: list[bool] | None = None) -> list[list[int]]:
         """Token ids of pieces of training text; parallel (and much faster) with `tokenizers`. A
         special token's text in the data, such as a file quoting "<|endoftext|>", is text: it must
-        not end a document where none ends."""
+        not end a document where none ends. A text marked `continued` goes on from the one before
+        it in a long document, so it is encoded without a space put before it (`_continuing`)."""
         if self.backend is None:
             return [self.hf.encode(t, add_special_tokens=False, split_special_tokens=True) for t in texts]
-        fast = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        as_text = self.backend.encode_special_tokens
-        self.backend.encode_special_tokens = True
-        try:
-            return [e.ids for e in fast(texts, add_special_tokens=False)]
-        finally:
-            self.backend.encode_special_tokens = as_text
+        continued = continued or [False] * len(texts)
+        ids: list = [None] * len(texts)
+        for backend, goes_on in ((self.backend, False), (self._continuing, True)):
+            at = [i for i, flag in enumerate(continued) if flag == goes_on]
+            for i, encoded in zip(at, _encode_as_text(backend, [texts[i] for i in at])):
+                ids[i] = encoded
+        return ids
+
+    @functools.cached_property
+    def _continuing(self):
+        """The backend for a text that goes on from another: without what puts a space before a text
+        (SentencePiece-style Metaspace or Prepend "▁", byte-level add_prefix_space), which would add
+        one at each piece boundary of a long document."""
+        from tokenizers import Tokenizer as RawTokenizer
+
+        spec = json.loads(self.backend.to_str())
+        if not any([_drop_prepends(spec.get(part)) for part in ("normalizer", "pre_tokenizer")]):
+            return self.backend
+        return RawTokenizer.from_str(json.dumps(spec))
 
     @functools.cached_property
     def document_ends(self) -> tuple[list[int], list[int]]:
@@ -126,6 +139,36 @@ class Tokenizer:
         if model_max_length:
             config["model_max_length"] = model_max_length
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
+
+def _encode_as_text(backend, texts: list[str]) -> list[list[int]]:
+    """`backend`'s ids of `texts` with no special tokens added, nor read from the text."""
+    fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    as_text = backend.encode_special_tokens
+    backend.encode_special_tokens = True
+    try:
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
+    finally:
+        backend.encode_special_tokens = as_text
+
+
+# The tokenizer.json parts that put a space before a text, and the setting that stops them.
+_PREPENDS = {"Metaspace": ("prepend_scheme", "never"), "ByteLevel": ("add_prefix_space", False),
+             "Prepend": ("prepend", "")}
+
+
+def _drop_prepends(node) -> bool:
+    """Stop every part of a tokenizer.json's normalizer or pre-tokenizer `node` (in place) from
+    putting a space before a text; whether any did."""
+    if isinstance(node, list):
+        return any([_drop_prepends(item) for item in node])
+    if not isinstance(node, dict):
+        return False
+    found = any([_drop_prepends(value) for value in node.values()])  # the parts of a Sequence
+    key, off = _PREPENDS.get(node.get("type"), (None, None))
+    if key is not None and node.get(key, off) != off:
+        node[key], found = off, True
+    return found
 
 
 def _from_tokenizers(backend, source) -> Tokenizer:
@@ -308,10 +351,12 @@ def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path:
     try:
         with open(tmp, "wb") as f:
             for batch in _batched(pieces):
+                firsts = [starts] + [ends for _, ends in batch[:-1]]  # which pieces start a document
+                starts = batch[-1][1]
+                encoded = tokenizer.encode_data([text for text, _ in batch], [not first for first in firsts])
                 flat = []
-                for piece, (_, ends) in zip(tokenizer.encode_data([text for text, _ in batch]), batch):
-                    flat += (before if starts else []) + piece + (after if ends else [])
-                    starts = ends
+                for piece, first, (_, ends) in zip(encoded, firsts, batch):
+                    flat += (before if first else []) + piece + (after if ends else [])
                 if max_tokens is not None:
                     flat = flat[: max_tokens - count]
                 f.write(np.asarray(flat, dtype=dtype).tobytes())

@@ -141,8 +141,8 @@ def test_hf_dataset_spec(monkeypatch):
         documents(["hf:org/name"])
 
 
-def test_long_documents_come_in_pieces_cut_after_newlines(tmp_path):
-    text = "".join(f"line {i}\n" for i in range(30)) + "x" * 45 + "\nend"  # one line longer than a piece
+def test_long_documents_come_in_pieces_cut_between_words(tmp_path):
+    text = "".join(f"line {i}\n" for i in range(30)) + "x" * 45 + "\nend\n" + "two\n" * 20
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "blank.txt").write_text(" \n" * 40)  # blank, and longer than a piece: skipped
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
@@ -151,8 +151,9 @@ def test_long_documents_come_in_pieces_cut_after_newlines(tmp_path):
     assert documents(sources, max_chars=20) == [text, text]
     assert all(len(piece) <= 20 for piece, _ in pieces)
     first = [piece for piece, _ in pieces[: len(pieces) // 2]]
-    assert first[:3] == ["line 0\nline 1\n", "line 2\nline 3\n", "line 4\nline 5\n"]
-    assert "x" * 20 in first  # no newline to cut after: cut at the limit
+    assert first[:3] == ["line 0\nline 1\nline", " 2\nline 3\nline", " 4\nline 5\nline"]  # before a word's space
+    assert "x" * 20 in first  # no space or newline to cut at: cut at the limit
+    assert "two\n" * 5 in first  # no space between words: after the last newline
     assert [ends for _, ends in pieces].count(True) == 2
 
 
@@ -266,6 +267,32 @@ def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_
     tok.save(tmp_path / "saved")  # as the export writes it: transformers adds the same BOS, and names it
     auto = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert auto.bos_token_id == bos and auto("dog").input_ids == [bos] + tok.encode("dog")
+
+
+def _sentencepiece_like(kind: str) -> T.Tokenizer:
+    """A small tokenizer that puts "▁" before a text as Llama's and Mistral's do: by a Metaspace pre-tokenizer,
+    or (Llama 2's older tokenizer.json) by a normalizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always" if kind == "metaspace-always" else "first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False)
+    raw.train_from_iterator(make_docs(), trainer)
+    if kind == "prepend-normalizer":
+        raw.pre_tokenizer = None
+        raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return T.Tokenizer(raw, raw.token_to_id("</s>"))
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace-first", "metaspace-always", "prepend-normalizer"])
+def test_a_long_document_read_in_pieces_gives_the_tokens_of_the_whole(tmp_path, kind):
+    """A SentencePiece-style tokenizer put a "▁" token before every piece (a million characters) of a long document,
+    and a byte-level BPE joined differently a line's end and the next line's indentation where a piece was cut."""
+    tok = train_bpe(make_docs(), vocab_size=300) if kind == "byte-level" else _sentencepiece_like(kind)
+    text = "".join("    " * (i % 3) + doc for i, doc in enumerate(make_docs(20)))
+    (tmp_path / "long.txt").write_text(text)
+    T.write_tokens(D.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
+    assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == tok.encode(text) + [tok.eos_id]
 
 
 # --- packing, caching, split ---------------------------------------------------------------------
