@@ -346,6 +346,36 @@ def test_no_partial_token_cache_is_left_behind(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other_host.name])
 
 
+def test_a_damaged_token_cache_is_tokenized_again(tmp_path, caplog):
+    """A cache cut short (by hand, or by a crash of the machine) was used silently, or failed to map with a
+    message naming no file; a record of its size, kept beside it, finds it now."""
+    src = write_texts(tmp_path / "txt", make_docs())
+    first = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+    (cache,) = (tmp_path / "run").glob("tokens-*.bin")
+    record = cache.with_suffix(".sha256")
+    as_before = record.read_text().split()[0] + "\n"  # what earlier versions recorded: the hash alone
+    for size, recorded in ((cache.stat().st_size - 1, None), (100, None), (0, None), (100, as_before)):
+        os.truncate(cache, size)
+        if recorded:
+            record.write_text(recorded)
+        caplog.clear()
+        again = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+        assert (again.num_tokens, again.digest) == (first.num_tokens, first.digest)
+        assert f"token cache {cache} is damaged" in caplog.text and "tokenizing the data again" in caplog.text
+
+
+def test_a_token_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """A full disk stopped the run with "[Errno 28] No space left on device", naming no file."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    (tmp_path / "full").symlink_to("/dev/full")  # the temporary file written before the rename, on a full disk
+    monkeypatch.setattr(T, "temporary_path", lambda path: tmp_path / "full")
+    with pytest.raises(OSError, match=r"token cache .*tokens-4567.uint16.bin cannot be written: No space left on "
+                                      r"device; free space there, or give a run_dir on another disk"):
+        T.write_tokens([("text", True)], train_bpe(make_docs(), vocab_size=300), tmp_path / "tokens-4567.uint16.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_held_out_split_is_disjoint_and_deterministic():
     seqs = D.Sequences(np.arange(1000, dtype=np.uint16), seq_len=9)  # 100 sequences
     train, held = D.split_sequences(seqs, 0.05)
