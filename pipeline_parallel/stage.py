@@ -63,7 +63,7 @@ class PipelineStage:
         if self.is_first:
             raise ValueError("the first stage has no input gradient to send; its schedule runs B, not I and W")
         x, out = self._saved.pop(mb)
-        self._pending_weights[mb] = weight_pass = _WeightPass(out, x, self.parts.parameters())
+        self._pending_weights[mb] = weight_pass = _WeightPass(self.parts.parameters())
         return weight_pass.input_grad(out, x, grad_output)
 
     def backward_weight(self, mb: int) -> None:
@@ -110,32 +110,18 @@ class _WeightPass:
     and their hooks with them. Uses side by side, such as the experts of a fused MoE weight, split.
     """
 
-    def __init__(self, out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]):
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
         self.kept: dict = {}  # node using a parameter -> gradients arriving at it (filled by input_grad)
         self.groups: list[tuple[set, list]] = []  # nodes, and the gradient edges of the parameters they reach
-        consumers = _consumers(out.grad_fn)
-        x_node = torch.autograd.graph.get_gradient_edge(x).node
-        on_x_path = _reachable([x_node], consumers)
-        if out.grad_fn not in on_x_path or any(node.name() == _REENTRANT_CHECKPOINT for node in consumers):
-            return
-        for param in params:
-            edge = torch.autograd.graph.get_gradient_edge(param) if param.requires_grad else None
-            if edge is None or edge.node not in consumers:
-                continue  # not used for this output
-            nodes, group = _reachable([edge.node], consumers, stop=on_x_path), [edge]
-            # Parameters that share a node (a weight and its bias, or one weight used twice) go together.
-            for other in [g for g in self.groups if g[0] & nodes]:
-                self.groups.remove(other)
-                nodes, group = nodes | other[0], group + other[1]
-            self.groups.append((nodes, group))
-        if any(_one_reaches_another(nodes, consumers) for nodes, _ in self.groups):
-            self.groups = []
-        self.kept = {node: None for nodes, _ in self.groups for node in nodes}
 
     def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
+        """The gradient of `x`, keeping what `run` needs to make the parameters' gradients later."""
+        self.groups = _weight_groups(out, x, self.params)
         if not self.groups:
             torch.autograd.backward(out, grad_output)
             return x.grad
+        self.kept = {node: None for nodes, _ in self.groups for node in nodes}
 
         def keep(node):
             def hook(grad_outputs):
@@ -164,6 +150,31 @@ class _WeightPass:
             # node of the group leads to another, so each parameter gets each use's gradient once.
             torch.autograd.backward(edges, grads, retain_graph=True, inputs=param_edges)
         self.kept, self.groups = {}, []
+
+
+def _weight_groups(out: torch.Tensor, x: torch.Tensor, params: list[torch.nn.Parameter]) -> list[tuple[set, list]]:
+    """The nodes where parameters meet the activations between `x` and `out`, grouped so that no
+    group shares a node with another, each with its parameters' gradient edges; [] if the backward
+    cannot be split (see `_WeightPass`)."""
+    consumers = _consumers(out.grad_fn)
+    x_node = torch.autograd.graph.get_gradient_edge(x).node
+    on_x_path = _reachable([x_node], consumers)
+    if out.grad_fn not in on_x_path or any(node.name() == _REENTRANT_CHECKPOINT for node in consumers):
+        return []
+    groups: list[tuple[set, list]] = []
+    for param in params:
+        edge = torch.autograd.graph.get_gradient_edge(param) if param.requires_grad else None
+        if edge is None or edge.node not in consumers:
+            continue  # not used for this output
+        nodes, group = _reachable([edge.node], consumers, stop=on_x_path), [edge]
+        # Parameters that share a node (a weight and its bias, or one weight used twice) go together.
+        for other in [g for g in groups if g[0] & nodes]:
+            groups.remove(other)
+            nodes, group = nodes | other[0], group + other[1]
+        groups.append((nodes, group))
+    if any(_one_reaches_another(nodes, consumers) for nodes, _ in groups):
+        return []
+    return groups
 
 
 def _consumers(root) -> dict:

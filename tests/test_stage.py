@@ -76,7 +76,7 @@ def _split_or_whole(out_of, params, split):
     if not split:
         out.backward(grad_out)
         return x.grad, [p.grad.clone() for p in params], True, calls
-    weight_pass = _WeightPass(out, x, params)
+    weight_pass = _WeightPass(params)
     grad_input = weight_pass.input_grad(out, x, grad_out)
     early = any(p.grad is not None for p in params)
     weight_pass.run()
