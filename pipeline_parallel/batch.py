@@ -144,14 +144,18 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
     return [row[1:offset] for row in rows]
 
 
-def differences(by_rank: list[dict], most: int = 4) -> str:
+_SHOWN_DIFFERENCES = 4  # keys a message spells out; the rest it counts
+
+
+def differences(by_rank: list[dict]) -> str:
     """What differs between the ranks' dicts, e.g. "rope_theta: 10000.0 on rank 0, 1000000.0 on rank 1"
-    ("" if nothing does)."""
+    ("" if nothing does); past the first `_SHOWN_DIFFERENCES` keys, how many more."""
     keys = sorted({key for values in by_rank for key in values}, key=lambda key: (key != "model_type", key))
     differ = [key for key in keys if len({repr(_canonical(values.get(key))) for values in by_rank}) > 1]
     shown = [f"{key}: " + ", ".join(f"{values.get(key)!r} on rank {rank}" for rank, values in enumerate(by_rank))
-             for key in differ[:most]]
-    return "; ".join(shown + ([f"{len(differ) - most} more"] if len(differ) > most else []))
+             for key in differ[:_SHOWN_DIFFERENCES]]
+    hidden = len(differ) - len(shown)
+    return "; ".join(shown + ([f"{hidden} more"] if hidden else []))
 
 
 def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:

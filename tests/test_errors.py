@@ -603,3 +603,12 @@ def test_settings_that_differ_only_in_dict_order_agree():
     other = {"vocab_size": 64, "rope_parameters": {"rope_theta": 5e5, "factor": 8.0, "rope_type": "llama3"}}
     assert fingerprint(model_config=one) == fingerprint(model_config=other)
     assert fingerprint(model_config=one) != fingerprint(model_config={**one, "vocab_size": 65})
+
+
+def test_differences_names_four_keys_and_counts_the_rest():
+    from pipeline_parallel.batch import differences
+
+    ranks = [{key: 0 for key in "abcdef"}, {key: 1 for key in "abcdef"} | {"f": 0}]
+    assert differences(ranks) == "a: 0 on rank 0, 1 on rank 1; b: 0 on rank 0, 1 on rank 1; " \
+                                 "c: 0 on rank 0, 1 on rank 1; d: 0 on rank 0, 1 on rank 1; 1 more"
+    assert differences(ranks[:1] * 2) == ""
