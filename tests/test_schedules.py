@@ -600,3 +600,21 @@ def test_times_given_as_zero_dim_tensors_are_numbers():
     torch = pytest.importorskip("torch")
     times = simulate(one_f_one_b(2, 1), 2, lambda a: torch.tensor(1.0), transfer=torch.tensor(0.5))
     assert makespan(times) == pytest.approx(4 * 1.0 + 2 * 0.5)  # F0, F1, B1, B0 and two transfers
+
+
+@pytest.mark.parametrize("options", [{}, {"split": 2}, {"forward_only": True}, {"prefetch": False}])
+def test_build_schedule_checks_the_list_once(monkeypatch, options):
+    """Each pass checked its input again: a build walked the whole list three times for one check."""
+    import importlib
+
+    actions = importlib.import_module("pipeline_parallel.schedules.actions")
+    checked = []
+
+    def counted(schedule, num_stages):
+        checked.append(schedule)
+        return actions.check_well_formed(schedule, num_stages)
+
+    for name in ("lowering", "simulate", "split", "validate"):
+        monkeypatch.setattr(importlib.import_module(f"pipeline_parallel.schedules.{name}"), "check_well_formed", counted)
+    built = build_schedule("1f1b", 3, 5, **options)
+    assert checked == [built]

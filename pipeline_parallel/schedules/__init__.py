@@ -5,10 +5,10 @@ from __future__ import annotations
 from .._checks import check_bool, check_int
 from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
-from .lowering import lower
+from .lowering import add_transfers, lower
 from .one_f_one_b import one_f_one_b
 from .simulate import makespan, simulate
-from .split import choose_split, estimated_duration, relative_costs, split_backwards
+from .split import choose_split, estimated_duration, planned_split, relative_costs, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -32,15 +32,14 @@ def build_schedule(
     check_bool("forward_only", forward_only)
     if forward_only and split is not None:
         raise ValueError(f"split={split!r} with forward_only=True: a forward-only schedule has no backwards to split")
-    stage_costs = relative_costs(stage_costs, num_stages)
+    duration = estimated_duration(relative_costs(stage_costs, num_stages))
     compute = SCHEDULES[key](num_stages, num_microbatches)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
-    elif split is not None:
-        compute = split_backwards(compute, num_stages, split, estimated_duration(stage_costs))
     else:
-        compute = choose_split(compute, num_stages, stage_costs)
-    lowered = lower(compute, num_stages, prefetch=prefetch)
+        compute = planned_split(compute, num_stages, split, duration)
+    # The passes take the generator's list unchecked: `validate` checks what they make, once.
+    lowered = add_transfers(compute, num_stages, prefetch=prefetch)
     # Without prefetch the list is meant for NCCL too, whose in-order transfers are checked as well.
     validate(lowered, num_stages, num_microbatches, forward_only=forward_only, in_order=not prefetch)
     return lowered

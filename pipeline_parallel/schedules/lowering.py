@@ -19,6 +19,11 @@ def lower(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedul
     if lowered_already is not None:
         raise ScheduleError(f"lower() takes compute actions only, but the schedule holds {lowered_already!r}: "
                             "it is lowered already")
+    return add_transfers(schedule, num_stages, prefetch)
+
+
+def add_transfers(schedule: Schedule, num_stages: int, prefetch: bool = True) -> Schedule:
+    """`lower` without checking the schedule: for `build_schedule`, which validates the result."""
     num_ranks = len(schedule)
     lowered: Schedule = []
     for rank, actions in enumerate(schedule):

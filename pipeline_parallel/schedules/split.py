@@ -19,10 +19,23 @@ def split_backwards(schedule: Schedule, num_stages: int, split: int, duration: C
     `duration`s), or runs before a forward that would make the rank hold more microbatches than
     the schedule ever does, or at the end. The first stage has no input gradient and is not split.
     """
-    check_int("split", split, 0, hint=" (how many of each rank's last backwards run as input-gradient then "
-              "weight-gradient passes), or None to let the simulator choose")
+    split = _checked_split(split)
     num_stages = check_well_formed(schedule, num_stages)
     return _placed(schedule, num_stages, split, checked_duration(duration))[0]
+
+
+def planned_split(schedule: Schedule, num_stages: int, split: int | None, duration: Callable[[Action], float]
+                  ) -> Schedule:
+    """`split_backwards`, or with `split` None the fastest split (see `choose_split`), without checking
+    the schedule: for `build_schedule`, which validates the lowered result of a generator's list."""
+    if split is None:
+        return _fastest_split(schedule, num_stages, duration)
+    return _placed(schedule, num_stages, _checked_split(split), duration)[0]
+
+
+def _checked_split(split: int) -> int:
+    return check_int("split", split, 0, hint=" (how many of each rank's last backwards run as input-gradient then "
+                     "weight-gradient passes), or None to let the simulator choose")
 
 
 def _placed(schedule: Schedule, num_stages: int, split: int, duration, split_waited: bool = False
@@ -74,7 +87,11 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
     than every one before it, so a tie goes to the plan tried first (fewer last backwards).
     """
     num_stages = check_well_formed(schedule, num_stages)
-    duration = estimated_duration(relative_costs(stage_costs, num_stages))
+    return _fastest_split(schedule, num_stages, estimated_duration(relative_costs(stage_costs, num_stages)))
+
+
+def _fastest_split(schedule: Schedule, num_stages: int, duration: Callable[[Action], float]) -> Schedule:
+    """`choose_split` with a checked schedule and cost model."""
     best, best_time = _placed(schedule, num_stages, 0, duration)
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, max(num_stages + 1, 16))
