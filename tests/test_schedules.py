@@ -618,3 +618,26 @@ def test_build_schedule_checks_the_list_once(monkeypatch, options):
         monkeypatch.setattr(importlib.import_module(f"pipeline_parallel.schedules.{name}"), "check_well_formed", counted)
     built = build_schedule("1f1b", 3, 5, **options)
     assert checked == [built]
+
+
+def test_a_split_forked_from_the_unsplit_replay_replays_as_from_the_start():
+    """choose_split replays each split only from where it first differs from no split."""
+    from pipeline_parallel.schedules.simulate import Replay
+    from pipeline_parallel.schedules.split import _with_last_split
+
+    rng = random.Random(0)
+    for name, p, m in [("gpipe", 2, 4), ("1f1b", 4, 8), ("gpipe", 5, 7), ("1f1b", 3, 2)]:
+        duration = estimated_duration([rng.uniform(0.2, 1.0) for _ in range(p)])
+        compute = GENERATORS[name](p, m)
+        for split in (1, 2, m):
+            body = _with_last_split(compute, split)
+            first_i = [next((i for i, a in enumerate(actions) if a.kind == Kind.I), len(actions)) for actions in body]
+            forked = []
+
+            def fork_at_the_first_i(rank, index):
+                if not forked and index >= first_i[rank]:
+                    forked.append(unsplit.fork(body).run())
+
+            unsplit = Replay(compute, p, duration)
+            unsplit.run(fork_at_the_first_i)
+            assert list(forked[0].items()) == list(Replay(body, p, duration).run().items()), (name, p, m, split)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
+from collections import deque
 from typing import Callable
 
 from .._checks import check_bool, check_nonnegative
@@ -38,68 +40,94 @@ def simulate(
     num_stages = check_well_formed(schedule, num_stages)
     transfer = check_nonnegative("transfer", transfer, hint=" (the time a transfer between ranks takes)")
     check_bool("split_waited", split_waited)
-    return replay(schedule, num_stages, checked_duration(duration), transfer, split_waited)
+    return Replay(schedule, num_stages, checked_duration(duration), transfer, split_waited).run()
 
 
-def replay(schedule: Schedule, num_stages: int, duration: Callable[[Action], float], transfer: float = 0.0,
-           split_waited: bool = False) -> dict[Action, tuple[float, float]]:
-    """`simulate` without checking its arguments, for schedules and durations the package made itself."""
-    num_ranks = len(schedule)
-    programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
-    listed = {a for program in programs for a in program if a.kind == Kind.W}
-    limits = [_peak_held(program, listed) for program in programs]
-    times: dict[Action, tuple[float, float]] = {}
-    results: dict[Action, float] = {}  # when each result (see `result_of`) was made
-    clocks, pcs, held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
-    unplaced: list[list[Action]] = [[] for _ in range(num_ranks)]  # W's waiting for a slot
-    awaited: dict[Action, int] = {}  # a result no action has made yet -> the rank waiting for it
-    free = [(0.0, r) for r in range(num_ranks) if programs[r]]  # a heap: (clock, rank) of each rank able to move
-    forecast = _Forecast(programs, num_stages, duration) if split_waited else None
+class Replay:
+    """A replay in progress, of arguments `simulate` checked or the package made itself: `run` takes
+    it to the end, `fork` to another schedule from where it is."""
 
-    def ready_time(rank: int, action: Action) -> float | None:
-        source = input_of(action, num_stages)
-        if source is None:
-            return 0.0
-        if source not in results:
-            return None
-        remote = stage_to_rank(source.stage, num_ranks) != rank
-        return results[source] + (transfer if remote else 0.0)
+    def __init__(self, schedule: Schedule, num_stages: int, duration: Callable[[Action], float],
+                 transfer: float = 0.0, split_waited: bool = False):
+        self.num_stages, self.duration, self.transfer = num_stages, duration, transfer
+        num_ranks = len(schedule)
+        self.programs = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
+        self.listed = {a for program in self.programs for a in program if a.kind == Kind.W}
+        self.limits = [_peak_held(program, self.listed) for program in self.programs]
+        self.times: dict[Action, tuple[float, float]] = {}
+        self.results: dict[Action, float] = {}  # when each result (see `result_of`) was made
+        self.clocks, self.pcs, self.held = [0.0] * num_ranks, [0] * num_ranks, [0] * num_ranks
+        self.unplaced: list[deque[Action]] = [deque() for _ in range(num_ranks)]  # W's waiting for a slot
+        self.awaited: dict[Action, int] = {}  # a result no action has made yet -> the rank waiting for it
+        self.free = [(0.0, r) for r in range(num_ranks) if self.programs[r]]  # a heap: (clock, rank) able to move
+        self.forecast = _Forecast(self.programs, num_stages, duration) if split_waited else None
 
-    def run(rank: int, action: Action, start: float) -> None:
-        clocks[rank] = start + duration(action)
-        times[action] = (start, clocks[rank])
-        if result_of(action) is not None:
-            results[result_of(action)] = clocks[rank]
-            user = awaited.pop(result_of(action), None)
-            if user is not None:  # it may go on
-                heapq.heappush(free, (clocks[user], user))
-        held[rank] += _HELD.get(action.kind, 0)
-        if action.kind == Kind.I and W(action.stage, action.mb) not in listed:
-            unplaced[rank].append(W(action.stage, action.mb))
+    def fork(self, programs: list[list[Action]]) -> Replay:
+        """This replay, to go on with `programs`: its compute actions, with B's that have not run yet
+        as I's whose W's are not listed (see `split_backwards`); without `split_waited`."""
+        fork = copy.copy(self)
+        fork.programs = programs
+        fork.times, fork.results, fork.awaited = dict(self.times), dict(self.results), dict(self.awaited)
+        fork.clocks, fork.pcs, fork.held, fork.free = [*self.clocks], [*self.pcs], [*self.held], [*self.free]
+        fork.unplaced = [deque(waiting) for waiting in self.unplaced]
+        return fork
 
-    while free:
-        now, rank = heapq.heappop(free)  # the earliest free rank moves next
-        action = programs[rank][pcs[rank]] if pcs[rank] < len(programs[rank]) else None
-        ready = None if action is None else ready_time(rank, action)
-        over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
-        # A waiting W goes first where the rank would sit idle, or hold one microbatch more than its list ever does.
-        if unplaced[rank] and (ready is None or ready > now or over_limit):
-            run(rank, unplaced[rank].pop(0), now)
-        elif ready is not None:
-            start = max(now, ready)
-            if forecast is not None and forecast.waited(rank, action, start + duration(action), clocks, pcs):
-                action = Action(Kind.I, action.stage, action.mb)
-            run(rank, action, start)
-            pcs[rank] += 1
-        else:  # idle until its input is made (see `run`); then it is ready at max(now, ready)
-            awaited[input_of(action, num_stages)] = rank
-            continue
-        if pcs[rank] < len(programs[rank]) or unplaced[rank]:
-            heapq.heappush(free, (clocks[rank], rank))
-    if awaited:
-        stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in sorted(awaited.values())]
-        raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
-    return times
+    def run(self, before: Callable[[int, int], None] | None = None) -> dict[Action, tuple[float, float]]:
+        """Run to the end; returns each compute action's (start, end), in execution order on each rank.
+        `before(rank, index)` is called before `rank` moves on at that index of its list."""
+        programs, pcs, clocks, held, free = self.programs, self.pcs, self.clocks, self.held, self.free
+        times, results, awaited, unplaced = self.times, self.results, self.awaited, self.unplaced
+        num_stages, num_ranks, duration, transfer = self.num_stages, len(programs), self.duration, self.transfer
+        listed, limits, forecast = self.listed, self.limits, self.forecast
+
+        def ready_time(rank: int, action: Action) -> float | None:
+            source = input_of(action, num_stages)
+            if source is None:
+                return 0.0
+            made = results.get(source)
+            if made is None or stage_to_rank(source.stage, num_ranks) == rank:
+                return made
+            return made + transfer
+
+        def run(rank: int, action: Action, start: float) -> None:
+            clocks[rank] = end = start + duration(action)
+            times[action] = (start, end)
+            result = result_of(action)
+            if result is not None:
+                results[result] = end
+                user = awaited.pop(result, None)
+                if user is not None:  # it may go on
+                    heapq.heappush(free, (clocks[user], user))
+            held[rank] += _HELD.get(action.kind, 0)
+            if action.kind == Kind.I and (weights := W(action.stage, action.mb)) not in listed:
+                unplaced[rank].append(weights)
+
+        while free:
+            if before is not None:
+                before(free[0][1], pcs[free[0][1]])
+            now, rank = heapq.heappop(free)  # the earliest free rank moves next
+            program, pc = programs[rank], pcs[rank]
+            action = program[pc] if pc < len(program) else None
+            ready = None if action is None else ready_time(rank, action)
+            over_limit = action is not None and action.kind == Kind.F and held[rank] >= limits[rank]
+            # A waiting W goes first where the rank would sit idle, or hold one microbatch more than its list ever does.
+            if unplaced[rank] and (ready is None or ready > now or over_limit):
+                run(rank, unplaced[rank].popleft(), now)
+            elif ready is not None:
+                start = max(now, ready)
+                if forecast is not None and forecast.waited(rank, action, start + duration(action), clocks, pcs):
+                    action = Action(Kind.I, action.stage, action.mb)
+                run(rank, action, start)
+                pcs[rank] = pc = pc + 1
+            else:  # idle until its input is made (see `run`); then it is ready at max(now, ready)
+                awaited[input_of(action, num_stages)] = rank
+                continue
+            if pc < len(program) or unplaced[rank]:
+                heapq.heappush(free, (clocks[rank], rank))
+        if awaited:
+            stuck = [f"rank {r} at {programs[r][pcs[r]]!r}" for r in sorted(awaited.values())]
+            raise ScheduleError(f"schedule deadlocks: {', '.join(stuck)}")
+        return times
 
 
 class _Forecast:

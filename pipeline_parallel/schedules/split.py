@@ -6,7 +6,7 @@ from typing import Callable
 
 from .._checks import check_int, check_nonnegative, check_positive
 from .actions import Action, I, Kind, Schedule, check_well_formed, stage_to_rank
-from .simulate import checked_duration, makespan, replay
+from .simulate import Replay, checked_duration, makespan
 
 SPLIT_OVERHEAD = 0.1  # a split backward's extra cost, as a share of the whole one (graph walk, two passes)
 
@@ -42,15 +42,33 @@ def _placed(schedule: Schedule, num_stages: int, split: int, duration, split_wai
             ) -> tuple[Schedule, float]:
     """`split_backwards`, and the step time the simulator found for it; with `split_waited` the
     simulator also splits each backward whose gradient another rank would wait for (see `simulate`)."""
-    body = []  # each rank's last `split` backwards as I, their W's left to the simulator
-    for actions in schedule:
-        backwards = [i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0]
-        chosen = set(backwards[max(len(backwards) - split, 0):]) if split else set()
-        body.append([I(a.stage, a.mb) if i in chosen else a for i, a in enumerate(actions)])
-    times = replay(body, num_stages, duration, split_waited=split_waited)
-    result: Schedule = [[] for _ in body]
-    for action in times:  # in execution order on each rank, W's included
-        result[stage_to_rank(action.stage, len(body))].append(action)
+    replay = Replay(_with_last_split(schedule, split), num_stages, duration, split_waited=split_waited)
+    return _as_schedule(replay.run(), len(schedule))
+
+
+def _with_last_split(schedule: Schedule, split: int, positions: list[list[int]] | None = None) -> Schedule:
+    """Each rank's last `split` backwards as I, their W's left to the simulator (`positions`: see `_splittable`)."""
+    body = [list(actions) for actions in schedule]
+    for actions, indices in zip(body, positions or _splittable(schedule)):
+        for i in _last(indices, split):
+            actions[i] = I(actions[i].stage, actions[i].mb)
+    return body
+
+
+def _splittable(schedule: Schedule) -> list[list[int]]:
+    """Where in each rank's list its backwards are, but the first stage's (which has no input gradient)."""
+    return [[i for i, a in enumerate(actions) if a.kind == Kind.B and a.stage > 0] for actions in schedule]
+
+
+def _last(indices: list[int], split: int) -> list[int]:
+    return indices[max(len(indices) - split, 0):]
+
+
+def _as_schedule(times: dict[Action, tuple[float, float]], num_ranks: int) -> tuple[Schedule, float]:
+    """The per-rank lists a replay ran (in execution order on each rank, W's included), and its step time."""
+    result: Schedule = [[] for _ in range(num_ranks)]
+    for action in times:
+        result[stage_to_rank(action.stage, num_ranks)].append(action)
     return result, makespan(times)
 
 
@@ -91,14 +109,37 @@ def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) 
 
 
 def _fastest_split(schedule: Schedule, num_stages: int, duration: Callable[[Action], float]) -> Schedule:
-    """`choose_split` with a checked schedule and cost model."""
-    best, best_time = _placed(schedule, num_stages, 0, duration)
+    """`choose_split` with a checked schedule and cost model.
+
+    A split of the last backwards replays as no split does until a rank reaches its first I, so
+    each one is forked from the replay of no split there and replayed from that point on only.
+    """
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, max(num_stages + 1, 16))
     step = max(1, -(-(most - dense) // 16))
-    for split in sorted({*range(1, dense + 1), *range(dense + step, most + 1, step), most}):
-        candidate, time = _placed(schedule, num_stages, split, duration)
-        if time < best_time - 1e-9 * best_time:
-            best, best_time = candidate, time
-    candidate, time = _placed(schedule, num_stages, 0, duration, split_waited=True)
-    return candidate if time < best_time - 1e-9 * best_time else best
+    splits = sorted({*range(1, dense + 1), *range(dense + step, most + 1, step), most} - {0})
+    positions = _splittable(schedule)
+    first_i = {split: [(_last(indices, split) or [len(actions)])[0] for actions, indices in zip(schedule, positions)]
+               for split in splits}
+    unforked = list(splits)  # the more backwards split, the sooner a replay differs from none: the last first
+    step_times = {}
+
+    def fork_where_they_differ(rank: int, index: int) -> None:
+        while unforked and index >= first_i[unforked[-1]][rank]:
+            split = unforked.pop()
+            step_times[split] = makespan(unsplit.fork(_with_last_split(schedule, split, positions)).run())
+
+    unsplit = Replay(schedule, num_stages, duration)
+    step_times[0] = makespan(unsplit.run(fork_where_they_differ))
+    step_times.update((split, step_times[0]) for split in unforked)  # no I anywhere: the same replay
+    best = 0
+    for split in splits:  # in this order, so a tie goes to the plan tried first (fewer last backwards)
+        if _faster(step_times[split], step_times[best]):
+            best = split
+    waited, waited_time = _placed(schedule, num_stages, 0, duration, split_waited=True)
+    return waited if _faster(waited_time, step_times[best]) else _placed(schedule, num_stages, best, duration)[0]
+
+
+def _faster(time: float, than: float) -> bool:
+    """Faster by more than rounding."""
+    return time < than - 1e-9 * than
