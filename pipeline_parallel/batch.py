@@ -115,10 +115,11 @@ _HINTS = {
 
 
 def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None,
-                      details: dict[str, dict] | None = None) -> None:
+                      details: dict[str, dict] | None = None, facts: list[int] = ()) -> list[list[int]]:
     """Raise the same clear error on every rank if any rank failed or the ranks' settings differ; for a
-    setting that is a dict in `details`, the error names the entries that differ and their values."""
-    _gather_checked(comm, local_error, [], settings, details)
+    setting that is a dict in `details`, the error names the entries that differ and their values.
+    Returns every rank's `facts` (ints, as many on every rank), which travel along, indexed by rank."""
+    return _gather_checked(comm, local_error, list(facts), settings, details)
 
 
 def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int],

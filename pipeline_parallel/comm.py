@@ -90,10 +90,10 @@ class PipeComm:
         dist.all_gather_object(values, value, group=self.group)
         return values
 
-    def all_reduce(self, tensor: torch.Tensor, largest: bool = False) -> torch.Tensor:
-        """`tensor` summed (or, with `largest`, its largest values) over the pipeline ranks, in place."""
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the pipeline ranks, in place."""
         if self.pp_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def share_from_first_(self, tensor: torch.Tensor, is_first: bool) -> None:

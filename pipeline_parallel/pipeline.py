@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import time
 
 import torch
@@ -258,18 +257,17 @@ class Pipeline:
                                                  hint=" (2.0: the usual Euclidean norm; inf: the largest entry)")}
         except ValueError as e:
             error = e
-        agree_on_settings(self.comm, fingerprint(**given), local_error=error,
-                          details={name: {name: value} for name, value in given.items()})
         norm_type = given["norm_type"]
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else \
-            torch.zeros((), dtype=torch.float64, device=self.device)
-        if math.isinf(norm_type):
-            total = self.comm.all_reduce(local, largest=True)
-        else:
-            total = self.comm.all_reduce(local**norm_type).pow(1.0 / norm_type)
-        total = total.to(_common_dtype(grads))
+        local = torch.zeros((), dtype=torch.float64, device=self.device)  # also where the arguments are wrong
+        if grads and error is None:
+            norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
+            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        # One collective: the ranks' norms (as int64 bits) travel with their agreement on the arguments.
+        by_rank = agree_on_settings(self.comm, fingerprint(**given), local_error=error, facts=[_bits(local)],
+                                    details={name: {name: value} for name, value in given.items()})
+        norms = torch.tensor(by_rank, dtype=torch.int64, device=self.device).view(torch.float64)
+        total = torch.linalg.vector_norm(norms, norm_type).to(_common_dtype(grads))
         torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
         return total
 
@@ -277,6 +275,11 @@ class Pipeline:
         """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
         skip = self._tied_weight if self.is_last else None
         return [p for p in self.parameters() if p is not skip]
+
+
+def _bits(value: torch.Tensor) -> int:
+    """The bits of a float64 scalar as an int64, which `.view(torch.float64)` turns back into it."""
+    return value.view(torch.int64).item()
 
 
 def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:

@@ -343,14 +343,20 @@ def _clip_worker(rank, world_size, scale):
     pipe.step(x, y)
     for p in pipe.parameters():
         p.grad.mul_(scale)
+    collectives = []
+    for name in ("all_gather", "all_reduce", "all_gather_object"):
+        def counted(*args, _call=getattr(dist, name), **kwargs):
+            collectives.append(_call)
+            return _call(*args, **kwargs)
+        setattr(dist, name, counted)
     norm = pipe.clip_grad_norm_(1.0)
-    return norm, {n: p.grad for n, p in pipe.named_parameters()}
+    return norm, {n: p.grad for n, p in pipe.named_parameters()}, len(collectives)
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e19])
 def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale):
     """A float64 model's norm is a float64 one, and a norm whose square exceeds float32's range is not inf
-    (clipping by an inf norm would have zeroed every gradient)."""
+    (clipping by an inf norm would have zeroed every gradient); one collective makes it."""
     ref = build("llama", 4).double()
     x, y = make_batch(4, 8, num_microbatches=2)
     logits = ref(x).logits  # float64 throughout (full_loss takes the loss in float32, as Hugging Face does)
@@ -358,7 +364,8 @@ def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale):
     for p in ref.parameters():
         p.grad.mul_(scale)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    for norm, got in run_distributed(_clip_worker, 2, scale, timeout=TIMEOUT):
+    for norm, got, collectives in run_distributed(_clip_worker, 2, scale, timeout=TIMEOUT):
+        assert collectives == 1, "the ranks' norms travel with their agreement on the arguments"
         assert norm.dtype == torch.float64 and norm.item() == pytest.approx(want.item(), rel=1e-12)
         for name, grad in got.items():
             torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-12, msg=name)
