@@ -60,6 +60,7 @@ def agree_on_batch(
     input_ids,
     labels,
     *,
+    call: str,
     vocab_size: int,
     num_microbatches: int,
     settings: dict[str, int],
@@ -70,7 +71,8 @@ def agree_on_batch(
 
     `input_ids` is given on the first stage and `labels` on the last (None elsewhere). One small
     all-gather carries each rank's shapes, target count, settings checksums and an error flag;
-    no rank can wait on a peer that has already given up, so bad input never hangs.
+    no rank can wait on a peer that has already given up, so bad input never hangs. `call` names
+    what the user called (see `_gather_checked`).
     """
     error = local_error
     facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
@@ -86,7 +88,7 @@ def agree_on_batch(
     except Exception as e:  # a tensor the checks cannot read: raised on every rank below, not here alone
         error = ValueError(f"the batch could not be checked ({type(e).__name__}: {e}); pass input_ids and labels "
                            "as plain dense tensors of token IDs")
-    rows = _gather_checked(comm, error, facts, settings, details)
+    rows = _gather_checked(comm, call, error, facts, settings, details)
     inputs = [row[0:2] for row in rows if row[0] >= 0]
     targets = [row[2:5] for row in rows if row[2] >= 0]
     if not inputs or not targets:
@@ -106,7 +108,6 @@ def agree_on_batch(
 
 
 _HINTS = {
-    "mode": "every rank must call step() together, or evaluate() together",
     "tied_embedding": "model.lm_head.weight is model.model.embed_tokens.weight on some ranks only; tie them on "
                       "every rank (model.tie_weights()) or on none",
     "max_norm": "every rank must call clip_grad_norm_ with the same max_norm",
@@ -114,25 +115,38 @@ _HINTS = {
 }
 
 
-def agree_on_settings(comm: PipeComm, settings: dict[str, int], local_error: str | Exception | None = None,
-                      details: dict[str, dict] | None = None, facts: list[int] = ()) -> list[list[int]]:
+def agree_on_settings(comm: PipeComm, settings: dict[str, int], *, call: str,
+                      local_error: str | Exception | None = None, details: dict[str, dict] | None = None,
+                      facts: list[int] = ()) -> list[list[int]]:
     """Raise the same clear error on every rank if any rank failed or the ranks' settings differ; for a
     setting that is a dict in `details`, the error names the entries that differ and their values.
-    Returns every rank's `facts` (ints, as many on every rank), which travel along, indexed by rank."""
-    return _gather_checked(comm, local_error, list(facts), settings, details)
+    Returns every rank's `facts` (ints, as many on every rank), which travel along, indexed by rank.
+    `call` names what the user called (see `_gather_checked`)."""
+    return _gather_checked(comm, call, local_error, list(facts), settings, details)
 
 
-def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[int], settings: dict[str, int],
-                    details: dict[str, dict] | None = None) -> list[list[int]]:
-    """All ranks' `facts` (lists of ints of one length); raises on every rank if any rank failed or the
-    ranks' settings differ, naming for a setting in `details` which of its entries differ."""
+# The ints each rank sends to agree, at the least: as long as every call's row fits, the ranks' rows have
+# one length even where they agree on different calls, which gloo would otherwise abort the process for.
+_ROW_LENGTH = 32
+
+
+def _gather_checked(comm: PipeComm, call: str, error: str | Exception | None, facts: list[int],
+                    settings: dict[str, int], details: dict[str, dict] | None = None) -> list[list[int]]:
+    """All ranks' `facts` (lists of ints of one length); raises on every rank if the ranks are in
+    different `call`s (such as "step()" and "clip_grad_norm_()"), if any rank failed, or if the ranks'
+    settings differ, naming for a setting in `details` which of its entries differ."""
     details = details or {}
     names = sorted(settings)
-    rows = comm.all_gather_ints([int(error is not None), *facts, *(settings[n] for n in names)])
-    failed = [rank for rank, row in enumerate(rows) if row[0]]
+    mine = [fingerprint(call=call)["call"], int(error is not None), *facts, *(settings[n] for n in names)]
+    rows = comm.all_gather_ints(mine + [0] * (_ROW_LENGTH - len(mine)))
+    if len({row[0] for row in rows}) > 1:
+        calls = ", ".join(f"{each} on rank {rank}" for rank, each in enumerate(comm.all_gather_object(call)))
+        raise ValueError(f"the pipeline ranks are in different calls: {calls}; every rank must make the same "
+                         "calls in the same order (Pipeline(), step(), evaluate(), clip_grad_norm_())")
+    failed = [rank for rank, row in enumerate(rows) if row[1]]
     if failed:
         _raise_shared_error(comm, error, failed)
-    offset = 1 + len(facts)
+    offset = 2 + len(facts)
     differ = [name for i, name in enumerate(names) if len({row[offset + i] for row in rows}) > 1]
     if differ:  # the same on every rank, so they all gather the details together
         described = [f"{name!r} ({differences(comm.all_gather_object(details[name]))})" if name in details
@@ -142,7 +156,7 @@ def _gather_checked(comm: PipeComm, error: str | Exception | None, facts: list[i
             [f"every rank must construct the pipeline and call the step with the same {' and '.join(others)}"]
             if others else []))
         raise ValueError(f"the pipeline ranks disagree on {', '.join(described)}: {what}")
-    return [row[1:offset] for row in rows]
+    return [row[2:offset] for row in rows]
 
 
 _SHOWN_DIFFERENCES = 4  # keys a message spells out; the rest it counts

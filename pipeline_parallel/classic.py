@@ -63,7 +63,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
                            num_layers=num_layers, model_config=model_config, tied_embedding=tied)
-    info = agree_on_batch(comm, input_ids if first else None, labels if last else None,
+    call = "train_step_pipeline_afab()" if schedule == "gpipe" else "train_step_pipeline_1f1b()"
+    info = agree_on_batch(comm, input_ids if first else None, labels if last else None, call=call,
                           vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
                           local_error=error, details={"model_config": model_config})
 

@@ -116,7 +116,7 @@ class Pipeline:
             error = e
         # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
         local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes, tied_embedding=tied)
-        agree_on_settings(self.comm, {**self._settings, **local}, local_error=error,
+        agree_on_settings(self.comm, {**self._settings, **local}, call="Pipeline()", local_error=error,
                           details={"model_config": model_config, "parameter_dtypes": dict(dtypes or ())})
         self.config = model.config
 
@@ -176,8 +176,8 @@ class Pipeline:
     def _run(self, input_ids, labels, training: bool) -> float:
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
-            vocab_size=self.config.vocab_size, num_microbatches=self.num_microbatches,
-            settings={**self._settings, **fingerprint(mode="step" if training else "evaluate")},
+            call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
+            num_microbatches=self.num_microbatches, settings=self._settings,
             local_error=self._changed() or (inference_mode_error() if training else None),
         )
         if info.num_target_tokens == 0:
@@ -264,8 +264,8 @@ class Pipeline:
             norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
             local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         # One collective: the ranks' norms (as int64 bits) travel with their agreement on the arguments.
-        by_rank = agree_on_settings(self.comm, fingerprint(**given), local_error=error, facts=[_bits(local)],
-                                    details={name: {name: value} for name, value in given.items()})
+        by_rank = agree_on_settings(self.comm, fingerprint(**given), call="clip_grad_norm_()", local_error=error,
+                                    facts=[_bits(local)], details={name: {name: v} for name, v in given.items()})
         norms = torch.tensor(by_rank, dtype=torch.int64, device=self.device).view(torch.float64)
         total = torch.linalg.vector_norm(norms, norm_type).to(_common_dtype(grads))
         torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)

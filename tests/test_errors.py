@@ -220,8 +220,15 @@ PIPELINE_CASES = {
     "device-unusable-on-the-last-rank": (lambda r, w, g: _pipe(g, device="cuda:99" if r == w - 1 else "cpu"),
                                          ValueError, r"device 'cuda:99' cannot be used on this machine"),
     "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.evaluate if r else p.step)(X, Y))(_pipe(g)),
-                                          ValueError, r"ranks disagree on 'mode': every rank must call step\(\) "
-                                          r"together, or evaluate\(\) together"),
+                                          ValueError, r"the pipeline ranks are in different calls: step\(\) on rank 0, "
+                                          r"evaluate\(\) on rank 1.*; every rank must make the same calls in the "
+                                          r"same order"),
+    # gloo aborted the process where the ranks' agreements differed in length
+    "clip-on-rank-0-step-on-rank-1": (lambda r, w, g: (lambda p: p.clip_grad_norm_(1.0) if r == 0 else p.step(X, Y))(
+                                          _pipe(g)), ValueError, r"the pipeline ranks are in different calls: "
+                                      r"clip_grad_norm_\(\) on rank 0, step\(\) on rank 1"),
+    "pipeline-on-rank-0-step-on-rank-1": (lambda r, w, g: (lambda p: _pipe(g) if r == 0 else p.step(X, Y))(_pipe(g)),
+                                          ValueError, r"different calls: Pipeline\(\) on rank 0, step\(\) on rank 1"),
     "tied-weight-frozen-at-one-end": (lambda r, w, g: _frozen_at_first_end(g).step(X, Y), ValueError,
                                       r"the tied embedding is frozen at one end only: set requires_grad alike on "
                                       r"model.embed_tokens.weight \(first rank\) and lm_head.weight"),
