@@ -138,6 +138,7 @@ def _gather_checked(comm: PipeComm, call: str, error: str | Exception | None, fa
     details = details or {}
     names = sorted(settings)
     mine = [fingerprint(call=call)["call"], int(error is not None), *facts, *(settings[n] for n in names)]
+    assert len(mine) <= _ROW_LENGTH, f"{call} agrees on {len(mine)} ints: raise _ROW_LENGTH to at least that"
     rows = comm.all_gather_ints(mine + [0] * (_ROW_LENGTH - len(mine)))
     if len({row[0] for row in rows}) > 1:
         calls = ", ".join(f"{each} on rank {rank}" for rank, each in enumerate(comm.all_gather_object(call)))
