@@ -16,7 +16,8 @@ import torch
 
 from ._checks import SURROGATES
 from .loss import IGNORE_INDEX
-from .tokenizer import Tokenizer, cached_tokens, get_tokenizer, stream_digest
+from .token_cache import cached_tokens, stream_digest
+from .tokenizer import Tokenizer, get_tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet"}

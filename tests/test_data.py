@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipeline_parallel import data as D
+from pipeline_parallel import token_cache
 from pipeline_parallel import tokenizer as T
 from pipeline_parallel.tokenizer import EOS_TOKEN, get_tokenizer, load_tokenizer, train_bpe
 
@@ -273,7 +274,7 @@ def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_
     assert tok.document_ends == ([bos], []) and tok.bos_id == bos
     pieces = [("the lazy ", False), ("dog", True), (f"quoting {EOS_TOKEN} here", True)]
     path = tmp_path / "tokens.uint16.bin"
-    T.write_tokens(pieces, tok, path)
+    token_cache.write_tokens(pieces, tok, path)
     as_text = tok.encode_data(["quoting "])[0] + tok.encode_data([EOS_TOKEN])[0] + tok.encode_data([" here"])[0]
     assert tok.eos_id not in as_text
     assert np.fromfile(path, dtype=np.uint16).tolist() == (
@@ -305,7 +306,7 @@ def test_a_long_document_read_in_pieces_gives_the_tokens_of_the_whole(tmp_path, 
     tok = train_bpe(make_docs(), vocab_size=300) if kind == "byte-level" else _sentencepiece_like(kind)
     text = "".join("    " * (i % 3) + doc for i, doc in enumerate(make_docs(20)))
     (tmp_path / "long.txt").write_text(text)
-    T.write_tokens(D.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
+    token_cache.write_tokens(D.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
     assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == tok.encode(text) + [tok.eos_id]
 
 
@@ -331,7 +332,7 @@ def test_packing_shapes_and_shifted_labels(tmp_path):
 def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
     src = write_texts(tmp_path / "txt", make_docs())
     first = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
-    monkeypatch.setattr(T, "write_tokens", lambda *a, **k: pytest.fail("tokenised again"))
+    monkeypatch.setattr(token_cache, "write_tokens", lambda *a, **k: pytest.fail("tokenised again"))
     second = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
     assert second.num_tokens == first.num_tokens and torch.equal(second.train[np.arange(3)], first.train[np.arange(3)])
     monkeypatch.undo()
@@ -356,7 +357,7 @@ def test_no_partial_token_cache_is_left_behind(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        T.write_tokens(interrupted(), tok, tmp_path / "tokens-4567.uint16.bin")
+        token_cache.write_tokens(interrupted(), tok, tmp_path / "tokens-4567.uint16.bin")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other_host.name])
 
 
@@ -383,10 +384,10 @@ def test_a_token_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     (tmp_path / "full").symlink_to("/dev/full")  # the temporary file written before the rename, on a full disk
-    monkeypatch.setattr(T, "temporary_path", lambda path: tmp_path / "full")
+    monkeypatch.setattr(token_cache, "temporary_path", lambda path: tmp_path / "full")
     with pytest.raises(OSError, match=r"token cache .*tokens-4567.uint16.bin cannot be written: No space left on "
                                       r"device; free space there, or give a run_dir on another disk"):
-        T.write_tokens([("text", True)], train_bpe(make_docs(), vocab_size=300), tmp_path / "tokens-4567.uint16.bin")
+        token_cache.write_tokens([("text", True)], train_bpe(make_docs(), vocab_size=300), tmp_path / "tokens-4567.uint16.bin")
     assert list(tmp_path.iterdir()) == []
 
 
