@@ -22,19 +22,17 @@ from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
-                     load_hf_weights, matches_fingerprint)
+                     load_hf_weights)
 from .generate import sample
 from .launch import Interrupted, join_group, setup_device, stop_signals_raise, tell_torchrun, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
 from .models import LlamaForCausalLM, num_parameters
-from .models.decoder import check_layout, hf_float32, model_settings
+from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
+from .resume import RunComplete, check_resumable, checkpoint_to_resume
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
-# Model settings a resume may change: the initialisation's scale (already done) and the special ids
-# (the tokenizer is checked itself).
-_RESUME_MAY_CHANGE = frozenset({"initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
@@ -49,17 +47,6 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading
-
-
-def _settings_of(model_config: dict) -> dict:
-    """The settings (see `model_settings`) of a checkpoint's Hugging Face config dict as this transformers
-    version reads it (4.55 wrote `rope_theta` where 5 writes `rope_parameters`): only real changes differ."""
-    import transformers
-
-    model_type = model_config.get("model_type")
-    if model_type not in transformers.CONFIG_MAPPING:
-        return model_config
-    return model_settings(transformers.CONFIG_MAPPING[model_type](**model_config))
 
 
 def _given_tokenizer(cfg: Config) -> str | None:
@@ -88,11 +75,6 @@ class TrainingDiverged(RuntimeError):
 
 class CheckpointNotSaved(RuntimeError):
     """A checkpoint could not be written (the earlier ones are untouched); on every rank."""
-
-
-class RunComplete(Exception):
-    """The checkpoint to resume from already reached train.max_steps: nothing to train, and nothing is done
-    (no data prepared, no export made again); raised at start, on every rank."""
 
 
 class Trainer:
@@ -159,9 +141,7 @@ class Trainer:
             tempfile.TemporaryFile(dir=self.run_dir).close()
         except OSError as e:
             raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
-        resume_from = self._checkpoint_to_resume()  # before the data: a wrong resume is a config error
-        if resume_from is not None:
-            self._check_steps_left(resume_from)
+        resume_from = checkpoint_to_resume(cfg)  # before the data: a wrong resume is a config error
         if cfg.export.at_end:  # found now, not after the whole run has trained
             with as_config_error("export.at_end", FileExistsError):
                 check_replaceable(self.run_dir / EXPORT_DIR, cfg.hf_model)
@@ -198,31 +178,6 @@ class Trainer:
                 raise error or RuntimeError(f"rank {rank} failed {what}: {message}")
         return result
 
-    def _checkpoint_to_resume(self) -> Path | None:
-        """The checkpoint `resume` asks for (None: start from step 0)."""
-        cfg = self.cfg
-        with as_config_error("resume"):  # a damaged newest checkpoint is named, not skipped
-            latest = latest_checkpoint(self.run_dir)
-        if cfg.resume == "latest" and latest is None:
-            raise ConfigError(f"resume = latest, but {self.run_dir / 'checkpoints'} holds no checkpoint")
-        if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
-            raise ConfigError(
-                f"resume = never, but {self.run_dir} already holds a run (checkpoint {latest.name}); starting "
-                f"over there would replace its checkpoints and metrics: give a new run_dir, or delete "
-                f"{self.run_dir / 'checkpoints'} first")
-        return latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
-
-    def _check_steps_left(self, path: Path) -> None:
-        """Raise RunComplete if `path` is at train.max_steps or past it: starting would only repeat the run's end."""
-        with as_config_error("resume"):
-            step = read_extra(path)["step"]
-        max_steps = self.cfg.train.max_steps
-        if step >= max_steps:
-            raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is {max_steps}, so "
-                              "there is nothing to train (nothing was changed). To train further, raise "
-                              "train.max_steps; to export that checkpoint again: python -m pipeline_parallel.export "
-                              f"{path}")
-
     def _resume_or_start(self, path: Path | None) -> None:
         cfg = self.cfg
         if path is not None:
@@ -237,19 +192,7 @@ class Trainer:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
         with as_config_error("resume"):
             extra = read_extra(path)
-        saved, current = _settings_of(extra["model_config"]), _settings_of(self.model_config)
-        differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now" for key in sorted({*saved, *current})
-                  if key not in _RESUME_MAY_CHANGE and saved.get(key) != current.get(key)]
-        if differ:
-            raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
-                              "model settings it was trained with, or start a new run_dir")
-        if not matches_fingerprint(self.data.tokenizer, extra.get("tokenizer")):
-            raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
-                              "the tokenizer it was trained with, or start a new run_dir")
-        if extra.get("data_digest", self.data.digest) != self.data.digest:
-            raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
-                              "resume with the data it was trained on, or start a new run_dir (to train this model "
-                              "on new data, start from its export with --hf-model)")
+        check_resumable(path, extra, self.model_config, self.data.tokenizer, self.data.digest)
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
         with as_config_error("resume"):

@@ -1,0 +1,73 @@
+"""Where a start of the training program resumes from, and whether that checkpoint fits the run:
+the same model, tokenizer and data, and steps left to train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import latest_checkpoint, read_extra
+from .config import Config, ConfigError, as_config_error
+from .export import matches_fingerprint
+from .models.decoder import model_settings
+from .tokenizer import Tokenizer
+
+# Model settings a resume may change: the initialisation's scale (already done) and the special ids
+# (the tokenizer is checked itself).
+_RESUME_MAY_CHANGE = frozenset({"initializer_range", "bos_token_id", "eos_token_id", "pad_token_id"})
+
+
+class RunComplete(Exception):
+    """The checkpoint to resume from already reached train.max_steps: nothing to train, and nothing is done
+    (no data prepared, no export made again); raised at start, on every rank."""
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    """The checkpoint `resume` asks for (None: start from step 0); RunComplete if it has no step left."""
+    run_dir = Path(cfg.run_dir)
+    with as_config_error("resume"):  # a damaged newest checkpoint is named, not skipped
+        latest = latest_checkpoint(run_dir)
+    if cfg.resume == "latest" and latest is None:
+        raise ConfigError(f"resume = latest, but {run_dir / 'checkpoints'} holds no checkpoint")
+    if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
+        raise ConfigError(
+            f"resume = never, but {run_dir} already holds a run (checkpoint {latest.name}); starting "
+            f"over there would replace its checkpoints and metrics: give a new run_dir, or delete "
+            f"{run_dir / 'checkpoints'} first")
+    path = latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
+    if path is not None:
+        with as_config_error("resume"):
+            step = read_extra(path)["step"]
+        if step >= cfg.train.max_steps:  # starting would only repeat the run's end
+            raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
+                              f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
+                              "further, raise train.max_steps; to export that checkpoint again: python -m "
+                              f"pipeline_parallel.export {path}")
+    return path
+
+
+def check_resumable(path: Path, extra: dict, model_config: dict, tokenizer: Tokenizer, data_digest: str) -> None:
+    """Refuse checkpoint `path` (its `extra`) unless it was trained on this model, tokenizer and data."""
+    saved, current = _settings_of(extra["model_config"]), _settings_of(model_config)
+    differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now" for key in sorted({*saved, *current})
+              if key not in _RESUME_MAY_CHANGE and saved.get(key) != current.get(key)]
+    if differ:
+        raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
+                          "model settings it was trained with, or start a new run_dir")
+    if not matches_fingerprint(tokenizer, extra.get("tokenizer")):
+        raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
+                          "the tokenizer it was trained with, or start a new run_dir")
+    if extra.get("data_digest", data_digest) != data_digest:
+        raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
+                          "resume with the data it was trained on, or start a new run_dir (to train this model "
+                          "on new data, start from its export with --hf-model)")
+
+
+def _settings_of(model_config: dict) -> dict:
+    """The settings (see `model_settings`) of a checkpoint's Hugging Face config dict as this transformers
+    version reads it (4.55 wrote `rope_theta` where 5 writes `rope_parameters`): only real changes differ."""
+    import transformers
+
+    model_type = model_config.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        return model_config
+    return model_settings(transformers.CONFIG_MAPPING[model_type](**model_config))
