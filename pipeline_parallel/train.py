@@ -340,7 +340,8 @@ class Trainer:
             return
         try:
             out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
-        except FileExistsError as e:  # checked at start, but files may have come since: the training stands
+        except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start:
+            # the training stands, saved
             tqdm.write(f"export skipped: {e}. Export the checkpoint with: python -m pipeline_parallel.export "
                        f"{self.checkpoint} --out DIR")
             return

@@ -425,3 +425,15 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
     assert "export skipped: " in out and "python -m pipeline_parallel.export " in out
     assert (tmp_path / "run" / "export" / "notes.md").read_text() == "mine"
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+
+
+def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus, tmp_path, capsys):  # noqa: F811
+    """The export refuses it (see above); that ended the finished run with a traceback on the last rank."""
+    cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
+                                                 "export.sample_tokens": 0})
+    trainer = Trainer(cfg)
+    _replace_run_tokenizer(tmp_path / "run", cfg)
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "export skipped: " in out and "is not the tokenizer" in out and "python -m pipeline_parallel.export " in out
+    assert not (tmp_path / "run" / "export").exists() and latest_checkpoint(tmp_path / "run").name == "step_000001"
