@@ -589,6 +589,13 @@ def test_choose_split_checks_the_schedule_it_is_given():
         choose_split([[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0), B(1, 0)]], 2, [1.0, 1.0])
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_choose_split_of_a_lowered_list_is_that_of_its_compute_actions(name):
+    """Forking the unsplit replay went by indices of the list with its transfers: it raised KeyError."""
+    compute, costs = GENERATORS[name](3, 6), [1.0, 0.5, 0.8]
+    assert choose_split(lower(compute, 3), 3, costs) == choose_split(compute, 3, costs)
+
+
 def test_estimated_duration_takes_the_costs_as_given():
     duration = estimated_duration([0.0, 4.0])
     assert duration(F(1, 0)) == 4.0 and duration(B(1, 0)) == 8.0 and duration(B(0, 0)) == 0.0

@@ -114,6 +114,8 @@ def _fastest_split(schedule: Schedule, num_stages: int, duration: Callable[[Acti
     A split of the last backwards replays as no split does until a rank reaches its first I, so
     each one is forked from the replay of no split there and replayed from that point on only.
     """
+    # The indices below must be those of the replay's lists, which hold no transfers.
+    schedule = [[a for a in actions if not a.kind.is_comm] for actions in schedule]
     most = max(sum(a.kind == Kind.B for a in actions) for actions in schedule)
     dense = min(most, max(num_stages + 1, 16))
     step = max(1, -(-(most - dense) // 16))
