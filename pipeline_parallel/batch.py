@@ -143,7 +143,7 @@ def _gather_checked(comm: PipeComm, call: str, error: str | Exception | None, fa
     if len({row[0] for row in rows}) > 1:
         calls = ", ".join(f"{each} on rank {rank}" for rank, each in enumerate(comm.all_gather_object(call)))
         raise ValueError(f"the pipeline ranks are in different calls: {calls}; every rank must make the same "
-                         "calls in the same order (Pipeline(), step(), evaluate(), clip_grad_norm_())")
+                         "calls in the same order")
     failed = [rank for rank, row in enumerate(rows) if row[1]]
     if failed:
         _raise_shared_error(comm, error, failed)
