@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -38,14 +39,19 @@ def _hash_tokens(tokens: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+_RECORD = re.compile(r"([0-9a-f]{64})(?: ([0-9]+))?")  # "sha256 count"; earlier versions wrote the hash alone
+
+
 def _read_record(path: Path) -> tuple[str, int | None] | None:
     """The (sha256, token count) recorded for the token cache `path` (a cache of an earlier version
-    recorded no count), or None."""
+    recorded no count), or None; a ValueError if the record is no such line (cut short, edited)."""
     kept = path.with_suffix(".sha256")
     if not kept.is_file():
         return None
-    digest, *count = kept.read_text().split()
-    return digest, int(count[0]) if count else None
+    record = _RECORD.fullmatch(kept.read_text(errors="replace").strip())
+    if record is None:
+        raise ValueError(f"{kept} is not a record of a token cache")
+    return record[1], int(record[2]) if record[2] else None
 
 
 def _record(path: Path, digest: str, count: int) -> tuple[str, int]:
@@ -58,7 +64,10 @@ def _damage(path: Path, dtype) -> str | None:
     by a crash of the machine); None if nothing. A cache whose record holds no count is hashed once
     instead, and its record completed."""
     size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
-    recorded = _read_record(path)
+    try:
+        recorded = _read_record(path)
+    except ValueError:
+        return f"its record {path.with_suffix('.sha256').name} cannot be read"
     if recorded is not None and recorded[1] is not None:
         written = recorded[1] * itemsize
         return None if size == written else f"it holds {size:,} bytes of the {written:,} written"

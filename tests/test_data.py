@@ -379,6 +379,21 @@ def test_a_damaged_token_cache_is_tokenized_again(tmp_path, caplog):
         assert f"token cache {cache} is damaged" in caplog.text and "tokenizing the data again" in caplog.text
 
 
+def test_a_token_cache_whose_record_is_damaged_is_tokenized_again(tmp_path, caplog):
+    """A record cut short or edited stopped the run with "not enough values to unpack" or "invalid literal for
+    int()", naming no file; it is a damaged cache like one cut short, tokenized again."""
+    src = write_texts(tmp_path / "txt", make_docs())
+    first = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+    (record,) = (tmp_path / "run").glob("tokens-*.sha256")
+    for damaged in ("", f"{first.digest} many\n", "\xff\xfe"):
+        record.write_text(damaged, errors="surrogateescape")
+        caplog.clear()
+        again = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
+        assert (again.num_tokens, again.digest) == (first.num_tokens, first.digest)
+        assert f"its record {record.name} cannot be read" in caplog.text and "tokenizing the data again" in caplog.text
+        assert record.read_text() == f"{first.digest} {first.num_tokens}\n"
+
+
 def test_a_token_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     """A full disk stopped the run with "[Errno 28] No space left on device", naming no file."""
     if not os.path.exists("/dev/full"):
