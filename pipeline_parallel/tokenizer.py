@@ -70,7 +70,9 @@ class Tokenizer:
         from tokenizers import Tokenizer as RawTokenizer
 
         spec = json.loads(self.backend.to_str())
-        if not any([_drop_prepends(spec.get(part)) for part in ("normalizer", "pre_tokenizer")]):
+        dropped = [_drop_prepends(spec.get("normalizer"), every_part=True),
+                   _drop_prepends(spec.get("pre_tokenizer"), every_part=False)]
+        if not any(dropped):
             return self.backend
         return RawTokenizer.from_str(json.dumps(spec))
 
@@ -153,18 +155,21 @@ _PREPENDS = {"Metaspace": ("prepend_scheme", "never"), "ByteLevel": ("add_prefix
              "Prepend": ("prepend", "")}
 
 
-def _drop_prepends(node) -> bool:
-    """Stop every part of a tokenizer.json's normalizer or pre-tokenizer `node` (in place) from
-    putting a space before a text; whether any did."""
-    if isinstance(node, list):
-        return any([_drop_prepends(item) for item in node])
+def _drop_prepends(node, every_part: bool) -> bool:
+    """Stop the parts of a tokenizer.json's normalizer or pre-tokenizer `node` that see a text whole from
+    putting a space before it (in place); whether any did. Every part of a normalizer Sequence sees the
+    whole text (`every_part`); of a pre-tokenizer Sequence only the first: the parts after it see the words
+    it split (T5's Metaspace after WhitespaceSplit), and put "▁" before each word, as in the whole document."""
     if not isinstance(node, dict):
         return False
-    found = any([_drop_prepends(value) for value in node.values()])  # the parts of a Sequence
+    if node.get("type") == "Sequence":
+        parts = node.get("normalizers") or node.get("pretokenizers") or []
+        return any([_drop_prepends(part, every_part) for part in (parts if every_part else parts[:1])])
     key, off = _PREPENDS.get(node.get("type"), (None, None))
-    if key is not None and node.get(key, off) != off:
-        node[key], found = off, True
-    return found
+    if key is None or node.get(key, off) == off:
+        return False
+    node[key] = off
+    return True
 
 
 def _from_tokenizers(backend, source) -> Tokenizer:

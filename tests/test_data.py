@@ -286,11 +286,14 @@ def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_
 
 def _sentencepiece_like(kind: str) -> T.Tokenizer:
     """A small tokenizer that puts "▁" before a text as Llama's and Mistral's do: by a Metaspace pre-tokenizer,
-    or (Llama 2's older tokenizer.json) by a normalizer."""
+    or (Llama 2's older tokenizer.json) by a normalizer; or before each word, as T5's does."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always" if kind == "metaspace-always" else "first")
+    if kind == "t5":  # a "▁" before each word the first part split off, not before the text
+        raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Metaspace(prepend_scheme="always")])
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False)
     raw.train_from_iterator(make_docs(), trainer)
     if kind == "prepend-normalizer":
@@ -299,10 +302,11 @@ def _sentencepiece_like(kind: str) -> T.Tokenizer:
     return T.Tokenizer(raw, raw.token_to_id("</s>"))
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "metaspace-first", "metaspace-always", "prepend-normalizer"])
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace-first", "metaspace-always", "prepend-normalizer", "t5"])
 def test_a_long_document_read_in_pieces_gives_the_tokens_of_the_whole(tmp_path, kind):
     """A SentencePiece-style tokenizer put a "▁" token before every piece (a million characters) of a long document,
-    and a byte-level BPE joined differently a line's end and the next line's indentation where a piece was cut."""
+    and a byte-level BPE joined differently a line's end and the next line's indentation where a piece was cut;
+    a T5-style one, whose "▁" goes before each word, lost it from every word of a piece but the first."""
     tok = train_bpe(make_docs(), vocab_size=300) if kind == "byte-level" else _sentencepiece_like(kind)
     text = "".join("    " * (i % 3) + doc for i, doc in enumerate(make_docs(20)))
     (tmp_path / "long.txt").write_text(text)
