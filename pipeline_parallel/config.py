@@ -412,8 +412,9 @@ def to_toml(cfg: Config) -> str:
             return "[" + ", ".join(value(x, key) for x in v) + "]"
         if not isinstance(v, str):
             return repr(v)
-        if not is_utf8(v):  # undecodable bytes of a file name: no TOML text holds them
-            raise ConfigError(f"{key}: {v!r} is not valid UTF-8 text (a file name in another encoding?); rename it")
+        if not is_utf8(v):  # undecodable bytes (a file name or a prompt in another encoding): no TOML text holds them
+            remedy = "give it in UTF-8" if key == "export.prompt" else "rename it"
+            raise ConfigError(f"{key}: {v!r} is not valid UTF-8 text (in another encoding?); {remedy}")
         # Non-ASCII stays readable (TOML has no surrogate-pair escapes); DEL, which JSON leaves bare, is escaped.
         return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
 

@@ -30,6 +30,12 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     return load_full_model(path)
 
 
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt no tokenizer takes: bytes typed in another encoding (surrogate escapes)."""
+    if not is_utf8(prompt):
+        raise ValueError("prompt is not valid UTF-8 text (typed in another encoding?); give it in UTF-8")
+
+
 def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
     """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document).
@@ -38,6 +44,7 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     decoded alone, they would lose what their joint with the prompt makes, such as the space
     a SentencePiece decoder strips from the start of a text ("Hello" + "▁world").
     """
+    check_prompt(prompt)
     prompt_ids = tokenizer.encode(prompt)
     ids = tokenizer.document_ends[0] + prompt_ids or [tokenizer.eos_id]  # as a document starts in training
     generator = torch.Generator().manual_seed(seed)
@@ -66,8 +73,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= {lowest}, got {getattr(args, name)}")
     if args.seed + args.num_samples > 2**63:  # sample i takes seed + i; torch's generators take less than 2**63
         parser.error(f"--seed must be below 2**63 - --num-samples, got {args.seed}")
-    if not is_utf8(args.prompt):  # bytes typed in another encoding: no tokenizer takes them
-        parser.error("--prompt is not valid UTF-8 text (typed in another encoding?); give it in UTF-8")
+    try:
+        check_prompt(args.prompt)  # before the model loads
+    except ValueError as e:
+        parser.error(f"--{e}")
     try:
         model, tokenizer = load_model(args.path)
     except (OSError, ValueError) as e:  # nothing loadable there

@@ -106,6 +106,8 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # before loading anything
         generate_main([str(tmp_path), "--prompt", os.fsdecode(b"caf\xe9")])
     assert exit_info.value.code == 2 and "--prompt is not valid UTF-8 text" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"prompt is not valid UTF-8 text \(typed in another encoding\?\); give it"):
+        sample(None, None, os.fsdecode(b"caf\xe9"))  # the library function too, before it touches model or tokenizer
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

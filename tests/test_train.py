@@ -180,8 +180,10 @@ def test_unreadable_settings_are_config_errors_before_the_data(tmp_path, corpus)
         with pytest.raises(ConfigError, match=f"config file {re.escape(str(path))} {message}"):
             load_config(path)
     undecodable = make_cfg(tmp_path / "r1", corpus, **{"data.path": [os.fsdecode(b"caf\xe9.txt")]})
-    with pytest.raises(ConfigError, match="data.path: .* is not valid UTF-8 text"):
+    with pytest.raises(ConfigError, match="data.path: .* is not valid UTF-8 text .*; rename it"):
         Trainer(undecodable)
+    with pytest.raises(ConfigError, match="export.prompt: .* is not valid UTF-8 text .*; give it in UTF-8"):
+        Trainer(make_cfg(tmp_path / "r1", corpus, **{"export.prompt": os.fsdecode(b"caf\xe9")}))
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ConfigError, match="run_dir .*a-file/run cannot be written"):
         Trainer(make_cfg(tmp_path / "a-file" / "run", corpus))
