@@ -10,7 +10,6 @@ pipeline size. The output is `model.safetensors`, `config.json` and the tokenize
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from torch import nn
 from ._files import temporary_dir
 from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
-from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, matches_fingerprint
 
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
@@ -129,29 +128,6 @@ def run_tokenizer(checkpoint: Path) -> Tokenizer:
             f"run trained as {run_dir / TOKENIZER_FILE}, with no {TOKENIZER_DIR}/ beside it), or give a checkpoint "
             f"trained with this one")
     return tokenizer
-
-
-def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None, path: Path | None = None) -> bool:
-    """Whether `tokenizer` (loaded from `path`) has the fingerprint a checkpoint recorded; True if it recorded none.
-
-    Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
-    training loaded it, which is the tokenizer's own or, for a run's copy of a tokenizer.json, that
-    file read by the tokenizers library (transformers, which reads the copy, adds a post-processor)."""
-    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer, path)
-
-
-def _old_fingerprints(tokenizer: Tokenizer, path: Path | None) -> set[str]:
-    """The fingerprints `matches_fingerprint` accepts from checkpoints saved before they were canonical."""
-    from tokenizers import Tokenizer as RawTokenizer
-
-    backend = tokenizer.backend
-    texts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.hf.get_vocab().items()))]
-    if path is not None and (Path(path) / TOKENIZER_FILE).is_file():
-        raw = RawTokenizer.from_file(str(Path(path) / TOKENIZER_FILE))
-        raw.no_truncation()  # as `Tokenizer` loads it
-        raw.no_padding()
-        texts.append(raw.to_str())
-    return {hashlib.sha256(text.encode()).hexdigest() for text in texts}
 
 
 def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:

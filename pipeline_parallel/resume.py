@@ -7,9 +7,8 @@ from pathlib import Path
 
 from .checkpoint import latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
-from .export import matches_fingerprint
 from .models.decoder import model_settings
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, matches_fingerprint
 
 # Model settings a resume may change: the initialisation's scale (already done) and the special ids
 # (the tokenizer is checked itself).

@@ -139,6 +139,24 @@ class Tokenizer:
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
+def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None, path: Path | None = None) -> bool:
+    """Whether `tokenizer` (loaded from `path`) has the fingerprint a checkpoint recorded; True if it recorded none.
+
+    Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
+    training loaded it, which is the tokenizer's own or, for a run's copy of a tokenizer.json, that
+    file read by the tokenizers library (transformers, which reads the copy, adds a post-processor)."""
+    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer, path)
+
+
+def _old_fingerprints(tokenizer: Tokenizer, path: Path | None) -> set[str]:
+    """The fingerprints `matches_fingerprint` accepts from checkpoints saved before they were canonical."""
+    backend = tokenizer.backend
+    texts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.hf.get_vocab().items()))]
+    if path is not None and (Path(path) / TOKENIZER_FILE).is_file():  # the file as training read it
+        texts.append(Tokenizer(_read_tokenizer_json(Path(path) / TOKENIZER_FILE), tokenizer.eos_id).backend.to_str())
+    return {hashlib.sha256(text.encode()).hexdigest() for text in texts}
+
+
 def _encode_as_text(backend, texts: list[str]) -> list[list[int]]:
     """`backend`'s ids of `texts` with no special tokens added, nor read from the text."""
     fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
