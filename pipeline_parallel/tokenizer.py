@@ -108,6 +108,11 @@ class Tokenizer:
         The post-processor counts by the ids it puts around a text (`document_ends`), all that
         training takes of it: transformers gives a tokenizer.json it loads a no-op one in place of
         none, so its JSON differed between a tokenizer and its saved copy. The end-of-text id counts too."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        """`fingerprint`, taken once (it reads the whole vocabulary; every checkpoint records it)."""
         if self.backend is not None:
             definition = json.loads(self.backend.to_str())
             definition.pop("post_processor", None)
