@@ -239,11 +239,17 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
+def _meta(path: Path) -> dict:
+    """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`; a ValueError if
+    it is not JSON."""
+    return json.loads((path / META).read_text())
+
+
 def _read_meta(path: Path) -> dict:
-    """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`."""
+    """`_meta`, where a meta.json that is not JSON makes the checkpoint damaged."""
     try:
-        return json.loads((path / META).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return _meta(path)
+    except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
         raise _damaged(path, f"its {META} cannot be read: {e}") from None
 
 
@@ -257,8 +263,8 @@ def _damaged(path: Path, why: str) -> ValueError:
 def _save_order(path: Path) -> tuple[int, int]:
     """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
     before save numbers (-1) count as older than any numbered one, in step order among themselves."""
-    try:
-        meta = _read_meta(path)
+    try:  # not _read_meta: its error names another checkpoint, found by this order
+        meta = _meta(path)
     except (OSError, ValueError):
         meta = {}
     order = meta.get("save_order", -1) if isinstance(meta, dict) else -1

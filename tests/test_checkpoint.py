@@ -394,3 +394,17 @@ def test_a_damaged_newest_checkpoint_is_named_not_skipped(tmp_path, damage, why)
     with pytest.raises(ValueError, match=rf"checkpoint .*step_000002 is damaged \({why}.*\); use an earlier one, "
                                          rf"such as .*step_000001$"):
         load_checkpoint(latest_checkpoint(tmp_path), model, opt)
+
+
+def test_two_checkpoints_whose_meta_json_cannot_be_read_are_named_not_recursed_into(tmp_path):
+    """Naming an earlier checkpoint than one whose meta.json cannot be read read the others', and the error of one that
+    could not be read named an earlier one than it: a RecursionError. Step 2, when saved unknown, counts as older."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=0)
+    for step in (2, 3):
+        os.truncate(tmp_path / "checkpoints" / f"step_00000{step}" / "meta.json", 10)
+    with pytest.raises(ValueError, match=r"step_000003 is damaged \(its meta.json cannot be read: .*\); use an earlier "
+                                         r"one, such as .*step_000001$"):
+        load_checkpoint(latest_checkpoint(tmp_path), model, opt)
