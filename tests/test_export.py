@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from _dist import run_distributed
-from test_train import _fit, _losses, corpus, make_cfg  # noqa: F401  (corpus is a fixture)
+from test_train import _fit, _losses, make_cfg
 
 from pipeline_parallel import export as export_module
 from pipeline_parallel._files import temporary_path
@@ -29,7 +29,7 @@ from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import Trainer
 
 
-def hf_cfg(run_dir, corpus, hf_dir, **overrides):  # noqa: F811
+def hf_cfg(run_dir, corpus, hf_dir, **overrides):
     """`make_cfg` for a run from the Hugging Face model in `hf_dir`: no model.* keys, its config.json gives the shape."""
     cfg = make_cfg(run_dir, corpus, hf_model=str(hf_dir), **overrides)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -39,7 +39,7 @@ def hf_cfg(run_dir, corpus, hf_dir, **overrides):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus):  # noqa: F811
+def trained(tmp_path_factory, corpus):
     """A 2-rank run of 4 steps with tied embeddings (so export must drop and re-tie the LM head)."""
     run_dir = tmp_path_factory.mktemp("trained")
     cfg = make_cfg(run_dir, corpus, **{"train.max_steps": 4, "eval.interval": 4, "eval.max_batches": 0,
@@ -317,7 +317,7 @@ def test_export_writes_through_the_temporary_path_of_its_output(tmp_path, monkey
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "run"]
 
 
-def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
+def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):
     """Gemma 2 caps its logits in forward, which a stage would skip: the run stops at once."""
     config = transformers.Gemma2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -328,7 +328,7 @@ def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus,
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
 
-def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_data(corpus, tmp_path):  # noqa: F811
+def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_data(corpus, tmp_path):
     """Transformers 5 fuses Mixtral's experts in memory but saves them one by one: loading by name
     cannot work, so the run stops at once (transformers 4 names them alike, and the run starts)."""
     config = transformers.MixtralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -351,7 +351,7 @@ def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 
 
-def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
+def test_train_from_hf_model(corpus, tmp_path):
     """--hf-model: a Qwen2 (attention biases) starts from its weights on 2 ranks and exports back,
     keeping its own special tokens and generation config."""
     tok = load_tokenizer(corpus[1])
@@ -395,7 +395,7 @@ def test_train_from_hf_model(corpus, tmp_path):  # noqa: F811
 
 @pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                     reason="Gemma trains on transformers 5, whose embedding module scales")
-def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: F811
+def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):
     """Gemma scales its embeddings by a buffer no checkpoint holds: a run loaded for sampling or
     export computes it, so its logits are those of the export loaded by transformers."""
     tok = load_tokenizer(corpus[1])
@@ -416,7 +416,7 @@ def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):  # noqa: 
         torch.testing.assert_close(model(ids).logits, exported.eval()(ids).logits, atol=1e-5, rtol=0)
 
 
-def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(corpus, tmp_path, capsys):  # noqa: F811
+def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(corpus, tmp_path, capsys):
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
                                                  "export.sample_tokens": 0})
     trainer = Trainer(cfg)  # checks run_dir/export at start: none yet
@@ -429,7 +429,7 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
 
 
-def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus, tmp_path, capsys):  # noqa: F811
+def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus, tmp_path, capsys):
     """The export refuses it (see above); that ended the finished run with a traceback on the last rank."""
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
                                                  "export.sample_tokens": 0})

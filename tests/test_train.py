@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,17 +28,6 @@ from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
 from pipeline_parallel.train import CheckpointNotSaved, Trainer, TrainingDiverged, main, run
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> tuple[Path, Path]:
-    """A small text file (a few stdlib modules) and a BPE tokenizer trained on it once."""
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "\n".join((stdlib / name).read_text() for name in ("textwrap.py", "json/decoder.py", "json/encoder.py"))
-    (root / "data.txt").write_text(text)
-    train_bpe([text], vocab_size=320).save(root)
-    return root / "data.txt", root / "tokenizer.json"
 
 
 @pytest.fixture(autouse=True)
