@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from ._files import atomic_write, fsync_dir
-from .comm import device_backends
+from .comm import PipeComm
 
 __all__ = ["UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "read_extra",
            "save_checkpoint"]
@@ -122,34 +122,18 @@ def _quiet_if_single_process():
         yield
 
 
-def _rank_and_size(group: Any) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
-
-
-def _all_ok(ok: bool, group: Any) -> bool:
-    """Barrier that also tells every rank whether every rank succeeded."""
-    if not _distributed():
-        return ok
-    on_cpu = "cpu" in device_backends(group)
-    flag = torch.tensor([int(ok)], device="cpu" if on_cpu else torch.cuda.current_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _on_rank0(fn: Callable[[], None], rank: int, group: Any, what: str) -> None:
+def _on_rank0(fn: Callable[[], None], comm: PipeComm, what: str) -> None:
     """Run `fn` (file work) on rank 0 only; if it fails, raise an OSError saying why on every rank
     instead of hanging them."""
     error = None
-    if rank == 0:
+    if comm.pp_rank == 0:
         try:
             fn()
         except Exception as e:
             error = e
-    if not _all_ok(error is None, group):
-        reason = [f"{type(error).__name__}: {error}" if error is not None else None]
-        if _distributed():
-            dist.broadcast_object_list(reason, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        raise OSError(f"could not {what} ({reason[0]}); the previous checkpoint is untouched") from error
+    reason = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")[0]
+    if reason is not None:
+        raise OSError(f"could not {what} ({reason}); the previous checkpoint is untouched") from error
 
 
 def _stage_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -287,7 +271,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
-    rank, world_size = _rank_and_size(group)
+    comm = PipeComm(group)
+    rank, world_size = comm.pp_rank, comm.pp_size
     rng = _rng_state()
     meta = {"format_version": FORMAT_VERSION, "step": step, "world_size": world_size,
             "has_optimizer": optimizer is not None, "rng_devices": sorted(rng), "extra": extra}
@@ -316,7 +301,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         atomic_write(tmp / META, json.dumps({**meta, "save_order": order}, indent=1))
         _commit(tmp, final)
 
-    _on_rank0(prepare, rank, group, f"create {tmp}")  # before anyone writes into it
+    _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it
 
     state = _stage_state(model, optimizer)
     if optimizer is not None:
@@ -329,8 +314,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         failed, (first, _) = next(iter(e.failures.items()))
         raise OSError(f"could not write {tmp} (rank {failed}: {type(first).__name__}: {first}); the previous "
                       "checkpoint is untouched") from None
-    _all_ok(True, group)  # every rank's shards are on disk (and fsynced)
-    _on_rank0(publish, rank, group, f"publish {final}")
+    comm.all_gather_object(None)  # a barrier: every rank's shards are on disk (and fsynced)
+    _on_rank0(publish, comm, f"publish {final}")
     if rank == 0 and keep_last > 0:
         # A step later than this one belongs to a run this one abandoned by resuming from an older
         # step: those go first, then the least recently saved.
@@ -396,7 +381,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                          f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
     if optimizer is not None and not meta["has_optimizer"]:
         raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None")
-    rank, world_size = _rank_and_size(group)
+    comm = PipeComm(group)
+    rank, world_size = comm.pp_rank, comm.pp_size
 
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # else the lazy optimizer state is not created
@@ -415,10 +401,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         raise _damaged(path, f"its .metadata cannot be read: {type(e).__name__}: {e}") from None
     wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
     missing = [k for k in wanted if k not in saved]
-    if not _all_ok(not missing, group):  # fail on every rank rather than hang the others
-        raise ValueError(f"{path} lacks {len(missing)} entries rank {rank} needs, e.g. "
-                         f"{missing[:3]}; was it saved from a different model or config?"
-                         if missing else f"{path} lacks entries another rank needs (see its error)")
+    reports = comm.all_gather_object((len(missing), missing[:3]))
+    lacking = [(r, count, some) for r, (count, some) in enumerate(reports) if count]
+    if lacking:  # on every rank alike, rather than leave the others waiting
+        failed, count, some = lacking[0]
+        raise ValueError(f"{path} lacks {count} entries rank {failed} needs, e.g. {some}; was it saved from a "
+                         "different model or config?")
     try:
         with _quiet_if_single_process():
             dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)

@@ -348,6 +348,24 @@ def test_clear_errors(tmp_path):
         load_checkpoint(path, bigger, None)
 
 
+def _load_into_five_layers(rank, world_size, path):
+    """Stages of a 5-layer model: the last stage's layer 4 is in no checkpoint of the 4-layer one."""
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 5}))
+    model.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in ([0, 1] if rank == 0 else [2, 3, 4])})
+    try:
+        load_checkpoint(path, model, None)
+    except ValueError as e:
+        return str(e)
+
+
+def test_entries_one_rank_lacks_are_one_error_on_every_rank(saved_on_two):
+    """The other ranks said only that another rank lacks entries (see its error)."""
+    path = latest_checkpoint(saved_on_two[0])
+    first, second = run_distributed(_load_into_five_layers, 2, str(path))
+    assert first == second
+    assert first.startswith(f"{path} lacks 9 entries rank 1 needs, e.g. ['model.model.layers.4."), first
+
+
 def _damage_and_load(rank, world_size, run_dir, damage):
     """A checkpoint saved on these ranks, `damage(step_dir, rank)` done to the newest, then loaded."""
     model = make_stage(rank, world_size)
