@@ -24,17 +24,18 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
+from ._checksums import differences, file_record
 from ._files import atomic_write, fsync_dir
 from .comm import PipeComm
 
-__all__ = ["UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "read_extra",
-           "save_checkpoint"]
+__all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "read_extra", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
 LATEST = "latest"  # text file naming the newest complete checkpoint
-META = "meta.json"  # step, world size, the caller's `extra`
+META = "meta.json"  # step, world size, the caller's `extra`, the size and SHA-256 of every other file
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
 _STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
@@ -45,6 +46,23 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint's `.metadata` references something other than DCP metadata types."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint that cannot be used as it was saved (`why`); `earlier` is the newest other one that can (None:
+    none is left), which the message names to use instead."""
+
+    def __init__(self, path: Path, why: str, earlier: Path | None):
+        super().__init__(path, why, earlier)  # its arguments, so that it pickles (from one process to another)
+        self.path, self.why, self.earlier = path, why, earlier
+
+    def __str__(self) -> str:
+        return self.advising("use an earlier one, such as {}")
+
+    def advising(self, use: str) -> str:
+        """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path)."""
+        instead = use.format(self.earlier) if self.earlier else "no earlier one is left"
+        return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 
 _ALLOWED_GLOBALS = {
@@ -95,6 +113,27 @@ class _SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """FileSystemWriter that records the size and SHA-256 of each file it writes, right after writing it (so from the
+    page cache), for meta.json. A failure to record is one of the save's, which DCP raises on every rank."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.files: dict[str, dict] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)  # done: FileSystemWriter writes before it returns
+        self._record(result.storage_data.relative_path for result in future.wait())
+        return future
+
+    def finish(self, metadata: Metadata, results: Any) -> None:  # on the coordinator, which writes .metadata
+        super().finish(metadata, results)
+        self._record([".metadata"])
+
+    def _record(self, names) -> None:
+        self.files |= {name: file_record(Path(self.path) / name) for name in sorted(set(names))}
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -237,11 +276,33 @@ def _read_meta(path: Path) -> dict:
         raise _damaged(path, f"its {META} cannot be read: {e}") from None
 
 
-def _damaged(path: Path, why: str) -> ValueError:
-    """The error for a checkpoint that cannot be used as it was saved, naming an earlier one to use."""
-    earlier = [p for p in _step_dirs(path.parent) if p != path and _is_complete(p)]
-    instead = f"use an earlier one, such as {max(earlier, key=_save_order)}" if earlier else "no earlier one is left"
-    return ValueError(f"checkpoint {path} is damaged ({why}); {instead}")
+def _damaged(path: Path, why: str, intact: Callable[[Path], bool] = _is_complete) -> DamagedCheckpointError:
+    """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
+    is `intact`: by default complete (a load, where every rank takes part, also compares files with their record)."""
+    others = sorted((p for p in _step_dirs(path.parent) if p != path), key=_save_order, reverse=True)
+    return DamagedCheckpointError(path, why, next((p for p in others if intact(p)), None))
+
+
+def _differences(path: Path, comm: PipeComm) -> list[str]:
+    """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
+    every rank of `comm`, which all call it: each hashes its share of the files."""
+    try:
+        mine = differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size), unrecorded=[META])
+    except (OSError, ValueError) as e:
+        mine = [f"its {META} cannot be read: {e}"]
+    return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
+
+
+def _intact(path: Path, comm: PipeComm) -> bool:
+    """Whether checkpoint `path` is complete and its files are as saved (every rank of `comm` calls it)."""
+    problems = _differences(path, comm)  # on every rank, whatever each finds, so that none waits for another
+    return _is_complete(path) and not problems
+
+
+def _listed(problems: list[str], most: int = 3) -> str:
+    """The first `most` of `problems`, and how many more, for an error message."""
+    more = len(problems) - most
+    return "; ".join(problems[:most]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _save_order(path: Path) -> tuple[int, int]:
@@ -263,9 +324,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     Every rank of `group` (default: all ranks) must call it. Ranks write into
     `step_NNNNNN.tmp/`; once all are done rank 0 renames it into place and then updates
-    `latest`, so a crash mid-save never touches the previous checkpoint. `extra` must be
-    JSON-serialisable and is taken from rank 0. Keeps the newest `keep_last` checkpoints
-    (0 keeps all). Returns the checkpoint directory.
+    `latest`, so a crash mid-save never touches the previous checkpoint. meta.json records the
+    size and SHA-256 of every file, each hashed by the rank that wrote it, for loads to check.
+    `extra` must be JSON-serialisable and is taken from rank 0. Keeps the newest `keep_last`
+    checkpoints (0 keeps all). Returns the checkpoint directory.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -298,7 +360,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def publish() -> None:  # numbered after every published checkpoint: rotation goes by when, not by step
         order = max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
-        atomic_write(tmp / META, json.dumps({**meta, "save_order": order}, indent=1))
+        atomic_write(tmp / META, json.dumps({**meta, "save_order": order, "files": files}, indent=1))
         _commit(tmp, final)
 
     _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it
@@ -307,14 +369,17 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if optimizer is not None:
         state["optim"] = _add_tied_aliases(model, state["optim"])
     state["rng"] = {f"rank{rank}": rng}  # RNG is per rank: its own keys
+    writer = _RecordingWriter(tmp)
     try:
         with _quiet_if_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+            dcp.save(state, storage_writer=writer, process_group=group)
     except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
         failed, (first, _) = next(iter(e.failures.items()))
         raise OSError(f"could not write {tmp} (rank {failed}: {type(first).__name__}: {first}); the previous "
                       "checkpoint is untouched") from None
-    comm.all_gather_object(None)  # a barrier: every rank's shards are on disk (and fsynced)
+    files = {}  # every rank's files are on disk (and fsynced) once gathered
+    for written in comm.all_gather_object(writer.files):
+        files |= written
     _on_rank0(publish, comm, f"publish {final}")
     if rank == 0 and keep_last > 0:
         # A step later than this one belongs to a run this one abandoned by resuming from an older
@@ -372,6 +437,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     number of ranks; otherwise every rank keeps its current RNG (a warning is logged).
     With an optimizer, pending gradients are dropped (its state is created lazily from them).
     Pass optimizer=None to load only the model; then `.grad` is left as it is.
+
+    First the files are compared with the record meta.json holds (the ranks hash a share each):
+    one lost, added, resized or changed raises DamagedCheckpointError on every rank, naming it
+    and the newest checkpoint that is intact. A checkpoint saved before records loads unchecked.
     """
     path = Path(path)
     _require_complete(path)
@@ -392,13 +461,19 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         current = _rng_state()
         state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
 
+    def damaged(why: str) -> DamagedCheckpointError:  # raised on every rank alike: they check the others together
+        return _damaged(path, why, intact=lambda other: _intact(other, comm))
+
+    problems = _differences(path, comm)  # before any file is read
+    if problems:
+        raise damaged(_listed(problems))
     reader = _SafeFileSystemReader(path)
     try:
         saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
     except UnsafeCheckpointError:
         raise
     except (OSError, EOFError, pickle.UnpicklingError) as e:
-        raise _damaged(path, f"its .metadata cannot be read: {type(e).__name__}: {e}") from None
+        raise damaged(f"its .metadata cannot be read: {type(e).__name__}: {e}") from None
     wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
     missing = [k for k in wanted if k not in saved]
     reports = comm.all_gather_object((len(missing), missing[:3]))
@@ -413,7 +488,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
         first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
         first = _shortened(first.splitlines()[0])
-        raise _damaged(path, f"its tensors cannot be read, or it was saved from another model: {first}") from None
+        raise damaged(f"its tensors cannot be read, or it was saved from another model: {first}") from None
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

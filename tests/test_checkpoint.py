@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
+import re
 import time
 import zlib
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -33,6 +37,13 @@ CONFIG = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                      max_position_embeddings=64)
 TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})
 EXTRA = {"step": 2, "scheduler": {"last_epoch": 2}, "data": {"position": 1234}, "note": None}
+
+
+def unrecord(path: Path) -> None:
+    """Make checkpoint `path` one saved before meta.json recorded its files (or one whose record was taken away)."""
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    (path / "meta.json").write_text(json.dumps(meta))
 
 
 def make_stage(rank: int, world_size: int, seed: int = 0, config=CONFIG) -> LlamaForCausalLM:
@@ -314,6 +325,9 @@ def test_malicious_metadata_is_refused(tmp_path):
     path = save_checkpoint(tmp_path, 1, model, train(model), {}, keep_last=1)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(ValueError, match=r"its file .metadata has \d+ bytes where [\d,]+ were saved"):
+        load_checkpoint(path, model, None)  # found before it is read
+    unrecord(path)  # as by someone who could also edit meta.json
     with pytest.raises(UnsafeCheckpointError, match="system.*not a DCP metadata type"):
         load_checkpoint(path, model, None)
     assert not marker.exists()
@@ -381,13 +395,16 @@ def _damage_and_load(rank, world_size, run_dir, damage):
         return str(e)
 
 
-def _truncate_own_shard(step_dir, rank):
+def _truncate_own_shard_saved_unrecorded(step_dir, rank):
+    """Rank 1 cuts its shard short in a checkpoint saved before meta.json recorded its files, which DCP then fails on."""
+    if rank == 0:
+        unrecord(step_dir)
     if rank == 1:
         os.truncate(step_dir / "__1_0.distcp", 100)
 
 
 def test_a_damaged_shard_fails_every_rank_with_the_checkpoint_named(tmp_path):
-    messages = run_distributed(_damage_and_load, 2, str(tmp_path), _truncate_own_shard)
+    messages = run_distributed(_damage_and_load, 2, str(tmp_path), _truncate_own_shard_saved_unrecorded)
     step_dir, earlier = tmp_path / "checkpoints" / "step_000002", tmp_path / "checkpoints" / "step_000001"
     for message in messages:
         assert message.startswith(f"checkpoint {step_dir} is damaged (its tensors cannot be read, or it was saved "
@@ -399,7 +416,7 @@ def test_a_damaged_shard_fails_every_rank_with_the_checkpoint_named(tmp_path):
 
 
 @pytest.mark.parametrize("damage, why", [
-    (lambda d: os.truncate(d / ".metadata", 50), r"its .metadata cannot be read: UnpicklingError"),
+    (lambda d: os.truncate(d / ".metadata", 50), r"its file .metadata has 50 bytes where [\d,]+ were saved"),
     (lambda d: os.truncate(d / "meta.json", 10), r"its meta.json cannot be read: Unterminated string"),
     (lambda d: (d / "meta.json").unlink(), r"it lacks meta.json"),  # was skipped: the run went on from step 1
 ])
@@ -426,3 +443,124 @@ def test_two_checkpoints_whose_meta_json_cannot_be_read_are_named_not_recursed_i
     with pytest.raises(ValueError, match=r"step_000003 is damaged \(its meta.json cannot be read: .*\); use an earlier "
                                          r"one, such as .*step_000001$"):
         load_checkpoint(latest_checkpoint(tmp_path), model, opt)
+
+
+# ---------------------------------------------------------------- files damaged after a save
+
+
+def _flip_a_byte(path: Path) -> None:
+    """Invert the middle byte of `path` (of a shard: inside a tensor's bytes, or the pickle around them)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+def _copy_from_step_2(path: Path) -> None:
+    """Replace `path` by the file of the same name in step 2: the same size, other weights."""
+    other = path.parent.with_name("step_000002") / path.name
+    assert other.stat().st_size == path.stat().st_size
+    path.write_bytes(other.read_bytes())
+
+
+CHANGED = r"has changed since it was saved \(its SHA-256 is not the one recorded\)"
+# What is done to a file of the newest checkpoint, and what the error then says about it (every rank alike).
+FILE_DAMAGES = {
+    "a byte flipped": ("__1_0.distcp", _flip_a_byte, rf"its file __1_0.distcp {CHANGED}"),
+    "a byte of .metadata flipped": (".metadata", _flip_a_byte, rf"its file .metadata {CHANGED}"),
+    "cut short": ("__1_0.distcp", lambda f: os.truncate(f, 100), r"its file __1_0.distcp has 100 bytes where "
+                                                                 r"[\d,]+ were saved"),
+    "replaced": ("__0_0.distcp", _copy_from_step_2, rf"its file __0_0.distcp {CHANGED}"),
+    "deleted": ("__0_0.distcp", Path.unlink, r"it lacks __0_0.distcp"),
+    "added": ("__2_0.distcp", lambda f: f.write_bytes(b"x" * 64), r"it holds __2_0.distcp, which it was not "
+                                                                   r"saved with"),
+}
+
+
+def _load_outcome(run_dir: str, rank: int, world_size: int, want: dict) -> str:
+    """Load `run_dir`'s latest checkpoint into fresh stages: its error, or whether the state saved came back."""
+    model = make_stage(rank, world_size, seed=1)
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        load_checkpoint(latest_checkpoint(run_dir), model, opt)
+    except ValueError as e:
+        return str(e)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    got = snapshot(model, opt)
+    same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+    return "loaded the state saved" if same else "loaded other values, silently"
+
+
+def _damaged_files_worker(rank, world_size, run_dir):
+    """Steps 1-3 saved (each with other weights); each of FILE_DAMAGES done in turn to step 3 and undone, then two
+    checkpoints damaged at once, each time loading the latest on every rank: what each load did."""
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    for step in (1, 2, 3):
+        fake_step(model, opt, 10 + step)
+        save_checkpoint(run_dir, step, model, opt, {"step": step}, keep_last=0)
+    want = snapshot(model, opt)
+
+    def after(damages: dict[Path, Callable]) -> str:
+        torch.distributed.barrier()
+        kept = {path: path.read_bytes() if path.exists() else None for path in damages}
+        if rank == 0:
+            for path, damage in damages.items():
+                damage(path)
+        torch.distributed.barrier()
+        outcome = _load_outcome(run_dir, rank, world_size, want)
+        torch.distributed.barrier()
+        if rank == 0:  # undone
+            for path, data in kept.items():
+                path.write_bytes(data) if data is not None else path.unlink()
+        return outcome
+
+    outcomes = {name: after({ckpt_dir / "step_000003" / file: damage})
+                for name, (file, damage, _) in FILE_DAMAGES.items()}
+    outcomes["newest two flipped"] = after({ckpt_dir / f"step_00000{step}" / "__1_0.distcp": _flip_a_byte
+                                            for step in (3, 2)})
+    outcomes["all flipped"] = after({ckpt_dir / f"step_00000{step}" / "__0_0.distcp": _flip_a_byte
+                                     for step in (3, 2, 1)})
+    outcomes["undone"] = _load_outcome(run_dir, rank, world_size, want)
+    return outcomes
+
+
+def test_a_damaged_file_is_named_on_every_rank_with_the_newest_intact_checkpoint(tmp_path):
+    """Before meta.json recorded the files: a byte flipped in one shard failed with torch's advice to load with
+    weights_only=False, and in another shard, as a shard replaced, loaded other weights silently; one flipped in
+    .metadata raised MemoryError; a shard cut short an EOFError naming no file; a file added went unnoticed."""
+    first, second = run_distributed(_damaged_files_worker, 2, str(tmp_path))
+    assert first == second  # every rank stops alike
+    ckpt_dir = tmp_path / "checkpoints"
+    for name, (_, _, why) in FILE_DAMAGES.items():
+        assert re.fullmatch(rf"checkpoint {ckpt_dir / 'step_000003'} is damaged \({why}\); use an earlier one, such "
+                            rf"as {ckpt_dir / 'step_000002'}", first[name]), (name, first[name])
+    # not the newest earlier one, step 2, which is damaged too: the newest intact one
+    assert re.fullmatch(rf"checkpoint .*step_000003 is damaged \(its file __1_0.distcp {CHANGED}\); use an earlier "
+                        rf"one, such as {ckpt_dir / 'step_000001'}", first["newest two flipped"])
+    assert first["all flipped"].endswith("); no earlier one is left")
+    assert first["undone"] == "loaded the state saved"
+
+
+def test_a_checkpoint_records_the_size_and_sha256_of_every_file_it_was_saved_with(saved_on_two):
+    run_dir, _ = saved_on_two
+    path = latest_checkpoint(run_dir)
+    record = json.loads((path / "meta.json").read_text())["files"]
+    assert sorted(record) == sorted(p.name for p in path.iterdir() if p.name != "meta.json")
+    assert sorted(record) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for name, entry in record.items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_checkpoint_saved_before_checksums_still_loads_quietly(tmp_path, caplog, recwarn):
+    model = make_stage(0, 1)
+    opt = train(model)
+    path = save_checkpoint(tmp_path, 1, model, opt, EXTRA, keep_last=1)
+    unrecord(path)
+    fresh = make_stage(0, 1, seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    assert load_checkpoint(path, fresh, fresh_opt) == EXTRA
+    assert_same(snapshot(fresh, fresh_opt), snapshot(model, opt))
+    assert not caplog.records and not recwarn.list

@@ -721,11 +721,9 @@ def test_ranks_that_read_different_data_stop_before_training(corpus, tmp_path):
 
 def _saves_failing(rank, world_size, cfgs):
     """What each rank raises when rank 1's shards cannot be written, and when rank 0 cannot publish."""
-    import torch.distributed.checkpoint as dcp
-
     from pipeline_parallel import checkpoint as checkpoint_module
 
-    class FullDisk(dcp.FileSystemWriter):
+    class FullDisk(checkpoint_module._RecordingWriter):  # the checkpoint's DCP writer
         def write_data(self, plan, planner):
             raise OSError(28, "No space left on device")
 
@@ -733,16 +731,16 @@ def _saves_failing(rank, world_size, cfgs):
         raise OSError(28, "No space left on device")
 
     said = []
-    for cfg, (where, replacement) in zip(cfgs, ((dcp, "FileSystemWriter"), (checkpoint_module, "atomic_write"))):
-        saved = getattr(where, replacement)
-        if rank == (1 if replacement == "FileSystemWriter" else 0):
-            setattr(where, replacement, FullDisk if replacement == "FileSystemWriter" else no_room)
+    for cfg, (replacement, failing) in zip(cfgs, (("_RecordingWriter", FullDisk), ("atomic_write", no_room))):
+        saved = getattr(checkpoint_module, replacement)
+        if rank == (1 if replacement == "_RecordingWriter" else 0):
+            setattr(checkpoint_module, replacement, failing)
         try:
             with pytest.raises(CheckpointNotSaved) as raised:
                 Trainer(cfg).fit()
             said.append(str(raised.value))
         finally:
-            setattr(where, replacement, saved)
+            setattr(checkpoint_module, replacement, saved)
     return said
 
 
