@@ -61,7 +61,7 @@ class DamagedCheckpointError(ValueError):
 
     def advising(self, use: str) -> str:
         """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path)."""
-        instead = use.format(self.earlier) if self.earlier else "no earlier one is left"
+        instead = use.replace("{}", str(self.earlier)) if self.earlier else "no earlier one is left"
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ._files import temporary_dir
-from .checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
+from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, matches_fingerprint
 
@@ -290,7 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out_dir, model, _ = export(args.path, args.out, args.dtype)
-    except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable, a corrupt checkpoint
+    except DamagedCheckpointError as e:  # with the command that exports the intact checkpoint it names
+        again = "export an earlier one with: python -m pipeline_parallel.export {}"
+        again += (f" --out {args.out}" if args.out else "") + (f" --dtype {args.dtype}" if args.dtype != "fp32" else "")
+        parser.exit(2, f"error: {e.advising(again)}\n")
+    except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable
         parser.exit(2, f"error: {e}\n")
     print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")
 

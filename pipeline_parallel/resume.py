@@ -3,9 +3,10 @@ the same model, tokenizer and data, and steps left to train."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
-from .checkpoint import latest_checkpoint, read_extra
+from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
 from .models.decoder import model_settings
 from .tokenizer import Tokenizer, matches_fingerprint
@@ -20,10 +21,21 @@ class RunComplete(Exception):
     (no data prepared, no export made again); raised at start, on every rank."""
 
 
+@contextlib.contextmanager
+def as_resume_error():
+    """`as_config_error("resume")`, where the error of a damaged checkpoint says how to resume from the intact one it
+    names instead."""
+    with as_config_error("resume"):
+        try:
+            yield
+        except DamagedCheckpointError as e:
+            raise ValueError(e.advising("resume from an earlier one with --resume {}")) from None
+
+
 def checkpoint_to_resume(cfg: Config) -> Path | None:
     """The checkpoint `resume` asks for (None: start from step 0); RunComplete if it has no step left."""
     run_dir = Path(cfg.run_dir)
-    with as_config_error("resume"):  # a damaged newest checkpoint is named, not skipped
+    with as_resume_error():  # a damaged newest checkpoint is named, not skipped
         latest = latest_checkpoint(run_dir)
     if cfg.resume == "latest" and latest is None:
         raise ConfigError(f"resume = latest, but {run_dir / 'checkpoints'} holds no checkpoint")
@@ -34,7 +46,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
             f"{run_dir / 'checkpoints'} first")
     path = latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
     if path is not None:
-        with as_config_error("resume"):
+        with as_resume_error():
             step = read_extra(path)["step"]
         if step >= cfg.train.max_steps:  # starting would only repeat the run's end
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "

@@ -30,7 +30,7 @@ from .models import LlamaForCausalLM, num_parameters
 from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
-from .resume import RunComplete, check_resumable, checkpoint_to_resume
+from .resume import RunComplete, as_resume_error, check_resumable, checkpoint_to_resume
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
 
@@ -190,12 +190,12 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
-        with as_config_error("resume"):
+        with as_resume_error():
             extra = read_extra(path)
         check_resumable(path, extra, self.model_config, self.data.tokenizer, self.data.digest)
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
-        with as_config_error("resume"):
+        with as_resume_error():  # its files are compared with their record first
             load_checkpoint(path, self.pipe.model, self.optimizer)
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path

@@ -206,6 +206,30 @@ def test_a_checkpoint_moved_out_of_its_run_directory_is_refused_before_the_model
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith(f"error: {tmp_path.resolve()}")
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_refuses_a_checkpoint_whose_file_changed_with_the_command_for_an_intact_one(trained, tmp_path, capsys):
+    """A flipped byte was exported: a model of other weights, or an error from inside torch naming no file."""
+    run = shutil.copytree(trained[0], tmp_path / "run")
+    newest = latest_checkpoint(run)
+    earlier = shutil.copytree(newest, newest.with_name("step_000002"))  # a copy, standing for an earlier save
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    damaged = (f"checkpoint {newest} is damaged (its file __0_0.distcp has changed since it was saved (its SHA-256 is "
+               f"not the one recorded)); ")
+    with pytest.raises(ValueError, match=re.escape(f"{damaged}use an earlier one, such as {earlier}")):
+        export(run, tmp_path / "hf")
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(run), "--out", str(tmp_path / "hf"), "--dtype", "bf16"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"error: {damaged}export an earlier one with: python -m pipeline_parallel.export {earlier} --out "
+        f"{tmp_path / 'hf'} --dtype bf16\n")
+    assert not (tmp_path / "hf").exists()
+    export_main([str(earlier), "--out", str(tmp_path / "hf"), "--dtype", "bf16"])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
     """A checkpoint records its tokenizer's fingerprint, which export compares with the run's saved copy:
     transformers gave the copy a no-op post-processor, so the fingerprints of one tokenizer differed."""

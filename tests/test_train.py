@@ -471,9 +471,31 @@ def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(cor
                                         "eval.interval": 0, "pipeline.num_microbatches": 1})
     run(cfg)
     (tmp_path / "checkpoints" / "step_000002" / "meta.json").unlink()
-    with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); use "
-                                          r"an earlier one, such as .*step_000001"):
+    with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); resume "
+                                          r"from an earlier one with --resume .*step_000001$"):
         Trainer(with_overrides(cfg, **{"train.max_steps": 3}))
+
+
+def _resumed_step(rank, world_size, cfg):
+    return Trainer(cfg).step
+
+
+def test_a_changed_file_of_the_newest_checkpoint_stops_every_rank_with_the_option_that_resumes_an_intact_one(
+        runs, corpus, tmp_path):
+    """A flipped byte was loaded: the run went on from other weights, or stopped on an error from inside torch that
+    named no file (here "'utf-8' codec can't decode byte 0x9a"), and the checkpoint to resume from without a way to."""
+    run_dir = shutil.copytree(runs[1], tmp_path / "run")  # step 3, then step 6
+    shard = run_dir / "checkpoints" / "step_000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+    cfg = make_cfg(run_dir, corpus, **_MORE_STEPS)
+    earlier = run_dir / "checkpoints" / "step_000003"
+    for message in run_distributed(_start, 2, cfg):
+        assert message == (f"resume: checkpoint {shard.parent} is damaged (its file __1_0.distcp has changed since it "
+                           f"was saved (its SHA-256 is not the one recorded)); resume from an earlier one with "
+                           f"--resume {earlier}"), message
+    assert run_distributed(_resumed_step, 2, with_overrides(cfg, resume=str(earlier))) == [3, 3]
 
 
 def test_resume_with_another_model_names_what_differs(runs, corpus):
