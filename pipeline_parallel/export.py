@@ -23,7 +23,7 @@ from torch import nn
 from ._files import temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
-from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, matches_fingerprint
+from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, loads_differently, tokenizer_differences
 
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
@@ -118,15 +118,19 @@ def run_tokenizer(checkpoint: Path) -> Tokenizer:
             f"read with the tokenizer of its run directory, so give it where it lies there "
             f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
     tokenizer = load_tokenizer(path)
-    recorded = read_extra(checkpoint).get("tokenizer")
-    if not matches_fingerprint(tokenizer, recorded, path):
+    record = read_extra(checkpoint)
+    differences = tokenizer_differences(tokenizer, record)
+    if "vocabulary" in differences:
         raise ValueError(
             f"{path} is not the tokenizer {checkpoint} was trained with (fingerprint {tokenizer.fingerprint()[:12]}, "
-            f"{tokenizer.vocab_size:,} tokens; the checkpoint's is {recorded[:12]}): it was replaced after the "
+            f"{tokenizer.vocab_size:,} tokens; the checkpoint's is {record['tokenizer'][:12]}): it was replaced after the "
             f"checkpoint was saved, and the model would read and write another tokenizer's ids. Put back the one it "
             f"was trained with (the files of its data.tokenizer or --hf-model in {run_dir / TOKENIZER_DIR}; one the "
             f"run trained as {run_dir / TOKENIZER_FILE}, with no {TOKENIZER_DIR}/ beside it), or give a checkpoint "
             f"trained with this one")
+    if differences:
+        raise ValueError(f"{path} has the vocabulary of the tokenizer {checkpoint} was trained with, "
+                         f"{loads_differently(differences, record)}")
     return tokenizer
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
 from .models.decoder import model_settings
-from .tokenizer import Tokenizer, matches_fingerprint
+from .tokenizer import Tokenizer, loads_differently, tokenizer_differences
 
 # Model settings a resume may change: the initialisation's scale (already done) and the special ids
 # (the tokenizer is checked itself).
@@ -64,9 +64,13 @@ def check_resumable(path: Path, extra: dict, model_config: dict, tokenizer: Toke
     if differ:
         raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
                           "model settings it was trained with, or start a new run_dir")
-    if not matches_fingerprint(tokenizer, extra.get("tokenizer")):
+    differences = tokenizer_differences(tokenizer, extra)
+    if "vocabulary" in differences:
         raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                           "the tokenizer it was trained with, or start a new run_dir")
+    if differences:
+        raise ConfigError(f"data.tokenizer has the vocabulary of the tokenizer {path} was trained with, "
+                          f"{loads_differently(differences, extra)}; or start a new run_dir")
     if extra.get("data_digest", data_digest) != data_digest:
         raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
                           "resume with the data it was trained on, or start a new run_dir (to train this model "

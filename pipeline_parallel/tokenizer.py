@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import re
 from pathlib import Path
@@ -25,13 +26,14 @@ class Tokenizer:
     not care whether the tokenizer was trained here or given by the user.
     """
 
-    def __init__(self, backend, eos_id: int, hf=None):
+    def __init__(self, backend, eos_id: int, hf=None, source: str | Path | None = None):
         self.backend = backend  # tokenizers.Tokenizer, or None for slow HF tokenizers
         if backend is not None:  # a file's truncation or padding would cut or pad every document silently
             backend.no_truncation()
             backend.no_padding()
         self.hf = hf  # the transformers tokenizer, if that is what was loaded
         self.eos_id = int(eos_id)
+        self.source = Path(source) if source is not None else None  # the file or directory it was loaded from
 
     @property
     def vocab_size(self) -> int:
@@ -103,23 +105,43 @@ class Tokenizer:
 
     def fingerprint(self) -> str:
         """Hash of what makes this tokenizer's ids, to key caches of tokenised data and to tell the
-        tokenizer a checkpoint was trained with from another; the same in memory, saved and reloaded.
+        tokenizer a checkpoint was trained with from another; the same however the tokenizer is given.
 
-        The post-processor counts by the ids it puts around a text (`document_ends`), all that
-        training takes of it: transformers gives a tokenizer.json it loads a no-op one in place of
+        It hashes the tokenizer.json in one form (`_canonical`), whether transformers 5 rebuilt it from its
+        vocabulary or not. The post-processor counts by the ids it puts around a text (`document_ends`), all
+        that training takes of it: transformers gives a tokenizer.json it loads a no-op one in place of
         none, so its JSON differed between a tokenizer and its saved copy. The end-of-text id counts too."""
         return self._fingerprint
 
     @functools.cached_property
+    def _description(self) -> dict:
+        """What `fingerprint` hashes (a slow tokenizer, with no tokenizer.json, by its vocabulary)."""
+        definition = (sorted(self.hf.get_vocab().items()) if self.backend is None
+                      else _canonical(json.loads(self.backend.to_str())))
+        return {"definition": definition, "document_ends": self.document_ends, "eos_id": self.eos_id}
+
+    @functools.cached_property
     def _fingerprint(self) -> str:
         """`fingerprint`, taken once (it reads the whole vocabulary; every checkpoint records it)."""
-        if self.backend is not None:
-            definition = json.loads(self.backend.to_str())
-            definition.pop("post_processor", None)
+        return _hash(self._description)
+
+    @functools.cached_property
+    def fingerprint_parts(self) -> dict[str, str]:
+        """A hash of each part of what `fingerprint` hashes, vocabulary first, under the name a message gives it.
+        A checkpoint records them, so that a tokenizer with the vocabulary it was trained with that tokenizes
+        differently as loaded now is told from another tokenizer (`tokenizer_differences`)."""
+        described = self._description
+        definition = described["definition"]
+        if isinstance(definition, list):  # a slow tokenizer's vocabulary
+            parts = {"vocabulary": definition}
         else:
-            definition = sorted(self.hf.get_vocab().items())
-        canonical = {"definition": definition, "document_ends": self.document_ends, "eos_id": self.eos_id}
-        return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+            model = dict(definition["model"])
+            vocabulary = [model.pop("vocab", None), [(token["id"], token["content"]) for token in definition["added_tokens"]]]
+            parts = {"vocabulary": vocabulary, "model": model, "added tokens": definition["added_tokens"],
+                     "normalizer": definition["normalizer"], "pre-tokenizer": definition["pre_tokenizer"],
+                     "decoder": definition["decoder"]}
+        parts["document ends"] = [described["document_ends"], described["eos_id"]]
+        return {name: _hash(part) for name, part in parts.items()}
 
     def save(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """Write files that both `load_tokenizer(directory)` and `transformers.AutoTokenizer`
@@ -144,22 +166,87 @@ class Tokenizer:
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
-def matches_fingerprint(tokenizer: Tokenizer, recorded: str | None, path: Path | None = None) -> bool:
-    """Whether `tokenizer` (loaded from `path`) has the fingerprint a checkpoint recorded; True if it recorded none.
-
-    Checkpoints saved before fingerprints were canonical hold the hash of the tokenizer's JSON as
-    training loaded it, which is the tokenizer's own or, for a run's copy of a tokenizer.json, that
-    file read by the tokenizers library (transformers, which reads the copy, adds a post-processor)."""
-    return recorded is None or recorded == tokenizer.fingerprint() or recorded in _old_fingerprints(tokenizer, path)
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _old_fingerprints(tokenizer: Tokenizer, path: Path | None) -> set[str]:
-    """The fingerprints `matches_fingerprint` accepts from checkpoints saved before they were canonical."""
-    backend = tokenizer.backend
-    texts = [backend.to_str() if backend is not None else repr(sorted(tokenizer.hf.get_vocab().items()))]
-    if path is not None and (Path(path) / TOKENIZER_FILE).is_file():  # the file as training read it
-        texts.append(Tokenizer(_read_tokenizer_json(Path(path) / TOKENIZER_FILE), tokenizer.eos_id).backend.to_str())
-    return {hashlib.sha256(text.encode()).hexdigest() for text in texts}
+def _canonical(spec: dict) -> dict:
+    """A tokenizer.json's `spec` without what makes no ids, so that equal tokenizers hash alike: its post-processor
+    (see `Tokenizer.fingerprint`), and model settings that cannot change an id, which transformers 5 leaves out
+    where it rebuilds a tokenizer from its vocabulary: an unknown token where every byte has a token to fall back
+    on (a Llama tokenizer's "<unk>"), and empty subword affixes (a GPT-2 tokenizer's)."""
+    spec = {key: value for key, value in spec.items() if key != "post_processor"}
+    model = spec["model"] = dict(spec["model"])
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key) == "":
+            model[key] = None
+    vocab = model.get("vocab")
+    tokens = vocab if isinstance(vocab, dict) else {entry[0] for entry in vocab or []}  # Unigram: [token, score]
+    if model.get("byte_fallback") and all(f"<0x{byte:02X}>" in tokens for byte in range(256)):
+        model.pop("unk_token", None)
+        model.pop("fuse_unk", None)
+    return spec
+
+
+def _transformers_version() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """What a checkpoint or an export records of the tokenizer it was made with, for `tokenizer_differences`."""
+    return {"tokenizer": tokenizer.fingerprint(), "tokenizer_parts": tokenizer.fingerprint_parts,
+            "transformers_version": _transformers_version()}
+
+
+def tokenizer_differences(tokenizer: Tokenizer, record: dict) -> list[str]:
+    """The parts of `tokenizer` (see `Tokenizer.fingerprint_parts`) that differ from those of the tokenizer
+    `record` (a `tokenizer_record`) names: none if it is that one, or the record names none. "vocabulary" is
+    among them for another tokenizer, and is not for one that, as loaded now, tokenizes text differently.
+
+    A record of an earlier version holds the fingerprint alone, of an earlier form (`_old_fingerprints`);
+    the parts are those of the form it names, if it names one: the tokenizer as loaded now, or its
+    tokenizer.json read as written (which transformers 4 did, and transformers 5 may not)."""
+    recorded, now = record.get("tokenizer"), tokenizer.fingerprint_parts
+    if recorded is None or recorded == tokenizer.fingerprint():
+        return []
+    then = record.get("tokenizer_parts") or next(
+        (form.fingerprint_parts for form in _forms(tokenizer) if recorded in _old_fingerprints(form)), {})
+    return [name for name in now if then.get(name) != now[name]]
+
+
+def loads_differently(differences: list[str], record: dict) -> str:
+    """The end of a message on a tokenizer whose `differences` from the one `record` names leave out its
+    vocabulary, after "has the vocabulary of the tokenizer ...": it tokenizes text differently as loaded now, as
+    a Llama tokenizer.json does that transformers 5 rebuilds with another pre-tokenizer; and what to do."""
+    then, now = record.get("transformers_version"), _transformers_version()
+    how = (f"load it with transformers {then}, which it was recorded under (this is {now})" if then and then != now
+           else "load it as it was loaded then (transformers 5 can read a tokenizer directory and its tokenizer.json "
+                "alone differently)")
+    differ = " and ".join(filter(None, [", ".join(differences[:-1]), differences[-1]]))
+    return (f"but tokenizes text differently as loaded now: its {differ} differ{'s' if len(differences) == 1 else ''}, "
+            f"so the model would be given other ids for the same text; {how}")
+
+
+def _forms(tokenizer: Tokenizer) -> list[Tokenizer]:
+    """`tokenizer`, and the tokenizer.json of the directory it was loaded from as the tokenizers library reads it."""
+    source = tokenizer.source
+    if source is None or not (source / TOKENIZER_FILE).is_file():
+        return [tokenizer]
+    return [tokenizer, Tokenizer(_read_tokenizer_json(source / TOKENIZER_FILE), tokenizer.eos_id)]
+
+
+def _old_fingerprints(form: Tokenizer) -> set[str]:
+    """The fingerprints of `form` in checkpoints saved by earlier versions: the hash of its JSON as loaded (before
+    fingerprints were canonical), and of that JSON without its post-processor (before equal forms hashed alike)."""
+    if form.backend is None:
+        return {hashlib.sha256(repr(sorted(form.hf.get_vocab().items())).encode()).hexdigest()}
+    spec = json.loads(form.backend.to_str())
+    spec.pop("post_processor", None)
+    return {hashlib.sha256(form.backend.to_str().encode()).hexdigest(),
+            _hash({"definition": spec, "document_ends": form.document_ends, "eos_id": form.eos_id})}
 
 
 def _encode_as_text(backend, texts: list[str]) -> list[list[int]]:
@@ -199,7 +286,7 @@ def _from_tokenizers(backend, source) -> Tokenizer:
     for name in _EOS_CANDIDATES:
         eos_id = backend.token_to_id(name)
         if eos_id is not None:
-            return Tokenizer(backend, eos_id)
+            return Tokenizer(backend, eos_id, source=source)
     raise ValueError(
         f"tokenizer {source} has no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)}); "
         "give a tokenizer directory whose tokenizer_config.json sets eos_token, or omit the "
@@ -239,7 +326,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         eos_id = _from_tokenizers(backend, path).eos_id
     if eos_id is None:
         raise ValueError(f"tokenizer {path} has no eos_token; set one in its tokenizer_config.json")
-    return Tokenizer(backend, eos_id, hf=hf)
+    return Tokenizer(backend, eos_id, hf=hf, source=path)
 
 
 def _read_tokenizer_json(path: Path):

@@ -31,6 +31,7 @@ from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import RunComplete, as_resume_error, check_resumable, checkpoint_to_resume
+from .tokenizer import tokenizer_record
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
 
@@ -267,7 +268,7 @@ class Trainer:
             raise self._diverged(f"step {self.step}: its update made weights that are not finite (its loss and "
                                  "gradients were); nothing was saved")
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
-                 "model_config": self.model_config, "tokenizer": self.data.tokenizer.fingerprint(),
+                 "model_config": self.model_config, **tokenizer_record(self.data.tokenizer),
                  "data_digest": self.data.digest,
                  "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
         try:

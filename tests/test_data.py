@@ -1,5 +1,6 @@
 """Tests for data sources, tokenizers, packing, the held-out split and the resumable loader."""
 
+import hashlib
 import json
 import os
 import random
@@ -282,6 +283,127 @@ def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_
     tok.save(tmp_path / "saved")  # as the export writes it: transformers adds the same BOS, and names it
     auto = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert auto.bos_token_id == bos and auto("dog").input_ids == [bos] + tok.encode("dog")
+
+
+def _llama_directory(path, legacy: bool = False):
+    """A small Llama-style tokenizer directory as Hugging Face saves one: tokenizer.json (BPE with byte fallback, a
+    Metaspace pre-tokenizer, or with `legacy` Llama 2's first Prepend("▁") normalizer) and tokenizer_config.json
+    naming LlamaTokenizer, which transformers 5 rebuilds from the vocabulary as Metaspace."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    raw.train_from_iterator(make_docs(), trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    spec = json.loads(raw.to_str())  # Llama's vocabulary: <unk> <s> </s>, a token for each byte, then the rest
+    learned = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    vocab = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)] + learned
+    spec["model"].update(vocab={token: i for i, token in enumerate(vocab)}, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    spec["added_tokens"] = [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, token in enumerate(vocab[:3])]
+    raw = Tokenizer.from_str(json.dumps(spec))
+    if legacy:
+        raw.pre_tokenizer = None
+        raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    path.mkdir(parents=True)
+    raw.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False, "legacy": False}))
+    return path
+
+
+_PROBES = ["the lazy dog", "  two spaces first", "tabs\tand\nlines  ", "ünïcödé 🙂 {x}"]
+
+
+def _tokenizes(tok) -> list:
+    """What `tok` makes of a few texts, as training and sampling take it."""
+    return [tok.encode_data(_PROBES), tok.encode_data(_PROBES, [True] * len(_PROBES)), tok.document_ends,
+            [tok.decode(tok.encode(text)) for text in _PROBES]]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_llama_tokenizer_has_one_fingerprint_as_a_directory_and_as_its_tokenizer_json(tmp_path, legacy):
+    """transformers 5 rebuilds a Llama tokenizer directory from its vocabulary: without the unknown token a byte
+    fallback never uses, which gave the same tokenizer another fingerprint than its tokenizer.json alone (and than
+    under transformers 4), and so refused its checkpoints as trained with another tokenizer. Llama 2's first
+    tokenizer.json, whose normalizer puts "▁" before every text, comes back with a Metaspace pre-tokenizer that
+    puts none before one that starts with a space: there the two tokenize differently, and differ in those parts."""
+    directory = load_tokenizer(_llama_directory(tmp_path / "llama", legacy))
+    alone = load_tokenizer(tmp_path / "llama" / "tokenizer.json")
+    same = _tokenizes(directory) == _tokenizes(alone)
+    assert same == (directory.fingerprint() == alone.fingerprint())
+    assert same or not legacy or T.tokenizer_differences(directory, T.tokenizer_record(alone)) == ["normalizer", "pre-tokenizer"]
+    if not legacy:
+        assert same and directory.vocab_size == alone.vocab_size and directory.document_ends == ([1], [])
+
+
+def _rebuilt(directory) -> T.Tokenizer:
+    """The tokenizer of a `_llama_directory` as transformers 5 loads it: rebuilt from its vocabulary, with no
+    unknown token and a Metaspace pre-tokenizer in place of any normalizer (whichever transformers is installed)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["model"]["unk_token"] = None
+    raw = Tokenizer.from_str(json.dumps(spec))
+    raw.normalizer = None
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    return T.Tokenizer(raw, raw.token_to_id("</s>"), source=directory)
+
+
+def _fingerprint_before(tok) -> str:
+    """The fingerprint the version before this one recorded: the tokenizer.json as loaded, without its post-processor."""
+    spec = json.loads(tok.backend.to_str())
+    spec.pop("post_processor")
+    canonical = {"definition": spec, "document_ends": tok.document_ends, "eos_id": tok.eos_id}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+
+
+def test_a_tokenizer_that_tokenizes_differently_as_loaded_now_is_told_from_another(tmp_path):
+    """A checkpoint of a Llama 2 tokenizer trained under transformers 4 was refused under 5 as trained with
+    'another tokenizer': its vocabulary is the same, and what differs is how transformers 5 loads it. Checkpoints
+    record each part's hash and the transformers version, so the refusal names the parts and the version; one
+    recorded before holds a fingerprint of the tokenizer.json as written, which tells the same."""
+    from pipeline_parallel.config import ConfigError
+    from pipeline_parallel.resume import check_resumable
+
+    for legacy in (False, True):
+        directory = _llama_directory(tmp_path / f"legacy-{legacy}", legacy)
+        as_written, rebuilt = load_tokenizer(directory / "tokenizer.json"), _rebuilt(directory)
+        record = {**T.tokenizer_record(as_written), "transformers_version": "4.55.4"}
+        differences = ["normalizer", "pre-tokenizer"] if legacy else []
+        assert T.tokenizer_differences(rebuilt, record) == differences
+        assert T.tokenizer_differences(rebuilt, {"tokenizer": _fingerprint_before(as_written)}) == differences
+        assert (rebuilt.fingerprint() == as_written.fingerprint()) == (not legacy)
+    assert T.tokenizer_differences(rebuilt, T.tokenizer_record(train_bpe(make_docs(), vocab_size=300)))[0] == "vocabulary"
+    assert T.tokenizer_differences(rebuilt, {"tokenizer": "0" * 64}) == list(rebuilt.fingerprint_parts)  # names none
+    extra = {"model_config": {}, "data_digest": "stream", **record}
+    check_resumable(tmp_path / "step_000001", {**extra, **T.tokenizer_record(rebuilt)}, {}, rebuilt, "stream")
+    with pytest.raises(ConfigError, match=r"^data.tokenizer has the vocabulary of the tokenizer .*step_000001 was trained "
+                       r"with, but tokenizes text differently as loaded now: its normalizer and pre-tokenizer differ, "
+                       r"so the model would be given other ids for the same text; load it with transformers 4.55.4, "
+                       r"which it was recorded under \(this is .*\); or start a new run_dir$"):
+        check_resumable(tmp_path / "step_000001", extra, {}, rebuilt, "stream")
+
+
+def test_settings_that_make_no_id_leave_the_fingerprint_alone():
+    """An unknown token that byte fallback never reaches, and empty subword affixes, are left out when transformers
+    5 rebuilds a tokenizer; where bytes lack tokens the unknown token makes ids, and counts."""
+    from tokenizers import Tokenizer
+
+    def variant(tok, **model):
+        spec = json.loads(tok.backend.to_str())
+        spec["model"].update(model)
+        return T.Tokenizer(Tokenizer.from_str(json.dumps(spec)), tok.eos_id)
+
+    bpe = train_bpe(make_docs(), vocab_size=300)
+    assert variant(bpe, continuing_subword_prefix="", end_of_word_suffix="").fingerprint() == bpe.fingerprint()
+    llama = _sentencepiece_like("metaspace-first")  # no byte tokens: "ü" is unknown
+    with_unk = variant(llama, unk_token="</s>", byte_fallback=True)
+    assert variant(llama, byte_fallback=True).fingerprint() != with_unk.fingerprint()
+    assert T.tokenizer_differences(variant(llama, byte_fallback=True), T.tokenizer_record(with_unk)) == ["model"]
 
 
 def _sentencepiece_like(kind: str) -> T.Tokenizer:
