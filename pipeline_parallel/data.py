@@ -16,7 +16,7 @@ import torch
 
 from ._checks import SURROGATES
 from .loss import IGNORE_INDEX
-from .token_cache import cached_tokens, stream_digest
+from .token_cache import cached_tokens, stream_record
 from .tokenizer import Tokenizer, get_tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
@@ -370,13 +370,15 @@ def eval_batches(sequences: Sequences, batch_size: int, *, need_inputs: bool = T
 
 @dataclass
 class Data:
-    """What a run trains and evaluates on; num_tokens counts the whole stream, digest hashes its contents."""
+    """What a run trains and evaluates on; num_tokens counts the whole stream, digest hashes its contents,
+    version is the `STREAM_VERSION` that made it (None: one that recorded none)."""
 
     tokenizer: Tokenizer
     train: Sequences
     eval: Sequences
     num_tokens: int
     digest: str
+    version: int | None
 
 
 def prepare_data(
@@ -417,4 +419,4 @@ def prepare_data(
             f"{seq_len + 1}; add data, lower seq_len, or raise max_tokens"
         )
     train, held = split_sequences(Sequences(tokens, seq_len), eval_fraction)
-    return Data(tok, train, held, len(tokens), stream_digest(tokens))
+    return Data(tok, train, held, len(tokens), *stream_record(tokens))

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
+from .data import Data
+from .token_cache import STREAM_CHANGES
 from .models.decoder import model_settings
-from .tokenizer import Tokenizer, loads_differently, tokenizer_differences
+from .tokenizer import loads_differently, tokenizer_differences
 
 # Model settings a resume may change: the initialisation's scale (already done) and the special ids
 # (the tokenizer is checked itself).
@@ -56,7 +58,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
     return path
 
 
-def check_resumable(path: Path, extra: dict, model_config: dict, tokenizer: Tokenizer, data_digest: str) -> None:
+def check_resumable(path: Path, extra: dict, model_config: dict, data: Data) -> None:
     """Refuse checkpoint `path` (its `extra`) unless it was trained on this model, tokenizer and data."""
     saved, current = _settings_of(extra["model_config"]), _settings_of(model_config)
     differ = [f"{key} {saved.get(key)!r} there, {current.get(key)!r} now" for key in sorted({*saved, *current})
@@ -64,17 +66,33 @@ def check_resumable(path: Path, extra: dict, model_config: dict, tokenizer: Toke
     if differ:
         raise ConfigError(f"{path} holds another model than configured ({'; '.join(differ)}): resume with the "
                           "model settings it was trained with, or start a new run_dir")
-    differences = tokenizer_differences(tokenizer, extra)
+    differences = tokenizer_differences(data.tokenizer, extra)
     if "vocabulary" in differences:
         raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
                           "the tokenizer it was trained with, or start a new run_dir")
     if differences:
         raise ConfigError(f"data.tokenizer has the vocabulary of the tokenizer {path} was trained with, "
                           f"{loads_differently(differences, extra)}; or start a new run_dir")
-    if extra.get("data_digest", data_digest) != data_digest:
-        raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
-                          "resume with the data it was trained on, or start a new run_dir (to train this model "
-                          "on new data, start from its export with --hf-model)")
+    if extra.get("data_digest", data.digest) == data.digest:
+        return
+    then = extra.get("data_version")
+    if then != data.version:  # the same text may give another stream
+        changes = "; ".join(f"version {version} {what}" for version, what in STREAM_CHANGES.items()
+                            if min(then or 0, data.version or 0) < version <= max(then or 0, data.version or 0))
+        raise ConfigError(
+            f"{path} was trained on a token stream that another version of this program made ({_stream(then)}), and "
+            f"data.path gives another now ({_stream(data.version)}): the data may be unchanged, only tokenized "
+            f"differently ({changes}), but the run's place in one stream means nothing in the other. Resume with the "
+            "version of pipeline_parallel that trained it, or start a new run_dir (to go on training this model with "
+            "this version, start from its export with --hf-model)")
+    raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
+                      "resume with the data it was trained on, or start a new run_dir (to train this model "
+                      "on new data, start from its export with --hf-model)")
+
+
+def _stream(version: int | None) -> str:
+    """A token stream's STREAM_VERSION, in words."""
+    return f"version {version}" if version else "which recorded no version"
 
 
 def _settings_of(model_config: dict) -> dict:

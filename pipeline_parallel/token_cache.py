@@ -20,16 +20,24 @@ from .tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # bump when what a token file holds changes (2: the tokenizer's own BOS, markers as text)
+# What this program makes of a text: a new version when the same text and tokenizer give other tokens, with what
+# changed (data.PIECE_CHARS is the million). It is recorded with each cache and checkpoint, so that a resume tells a
+# stream tokenized otherwise from other data, and unlike CACHE_VERSION it leaves cache names alone: a run keeps the
+# stream its checkpoints were trained on.
+STREAM_CHANGES = {3: "cuts a document over a million characters between words and puts no space before its later pieces"}
+STREAM_VERSION = max(STREAM_CHANGES)
 
 
-def stream_digest(tokens: np.memmap) -> str:
-    """SHA-256 of a cached token stream's contents, recorded beside its file when it was written.
+def stream_record(tokens: np.memmap) -> tuple[str, int | None]:
+    """SHA-256 of a cached token stream's contents, recorded beside its file when it was written, and the
+    STREAM_VERSION that wrote it (None: a version that recorded none).
 
-    Unlike the cache's name (which knows paths and modification times), it names what a run
+    Unlike the cache's name (which knows paths and modification times), the hash names what a run
     trains on, so a resume can tell the data of its checkpoint from other data.
     """
     path = Path(tokens.filename)
-    return (_read_record(path) or _record(path, _hash_tokens(tokens), len(tokens)))[0]
+    digest, _, version = _read_record(path) or _record(path, _hash_tokens(tokens), len(tokens))
+    return digest, version
 
 
 def _hash_tokens(tokens: np.ndarray) -> str:
@@ -39,24 +47,26 @@ def _hash_tokens(tokens: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-_RECORD = re.compile(r"([0-9a-f]{64})(?: ([0-9]+))?")  # "sha256 count"; earlier versions wrote the hash alone
+# "sha256 count version"; earlier versions wrote the hash alone, then with the count
+_RECORD = re.compile(r"([0-9a-f]{64})(?: ([0-9]+)(?: ([0-9]+))?)?")
 
 
-def _read_record(path: Path) -> tuple[str, int | None] | None:
-    """The (sha256, token count) recorded for the token cache `path` (a cache of an earlier version
-    recorded no count), or None; a ValueError if the record is no such line (cut short, edited)."""
+def _read_record(path: Path) -> tuple[str, int | None, int | None] | None:
+    """The (sha256, token count, STREAM_VERSION) recorded for the token cache `path` (a cache of an earlier
+    version recorded no count or version), or None; a ValueError if the record is no such line (cut short, edited)."""
     kept = path.with_suffix(".sha256")
     if not kept.is_file():
         return None
     record = _RECORD.fullmatch(kept.read_text(errors="replace").strip())
     if record is None:
         raise ValueError(f"{kept} is not a record of a token cache")
-    return record[1], int(record[2]) if record[2] else None
+    digest, count, version = record.groups()
+    return digest, int(count) if count else None, int(version) if version else None
 
 
-def _record(path: Path, digest: str, count: int) -> tuple[str, int]:
-    atomic_write(path.with_suffix(".sha256"), f"{digest} {count}\n")
-    return digest, count
+def _record(path: Path, digest: str, count: int, version: int | None = None) -> tuple[str, int, int | None]:
+    atomic_write(path.with_suffix(".sha256"), f"{digest} {count}" + (f" {version}" if version else "") + "\n")
+    return digest, count, version
 
 
 def _damage(path: Path, dtype) -> str | None:
@@ -150,7 +160,7 @@ def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path:
     if count == 0:
         tmp.unlink()
         raise ValueError("no text to tokenise: every document of the data is empty; give other data")
-    _record(path, digest.hexdigest(), count)  # first: a cache never lacks its record
+    _record(path, digest.hexdigest(), count, STREAM_VERSION)  # first: a cache never lacks its record
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return count

@@ -193,7 +193,7 @@ class Trainer:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
         with as_resume_error():
             extra = read_extra(path)
-        check_resumable(path, extra, self.model_config, self.data.tokenizer, self.data.digest)
+        check_resumable(path, extra, self.model_config, self.data)
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
         with as_resume_error():  # its files are compared with their record first
@@ -269,7 +269,7 @@ class Trainer:
                                  "gradients were); nothing was saved")
         extra = {"step": self.step, "tokens": self.tokens, "data": self.batches.state_dict(),
                  "model_config": self.model_config, **tokenizer_record(self.data.tokenizer),
-                 "data_digest": self.data.digest,
+                 "data_digest": self.data.digest, "data_version": self.data.version,
                  "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
         try:
             self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,

@@ -379,13 +379,13 @@ def test_a_tokenizer_that_tokenizes_differently_as_loaded_now_is_told_from_anoth
         assert (rebuilt.fingerprint() == as_written.fingerprint()) == (not legacy)
     assert T.tokenizer_differences(rebuilt, T.tokenizer_record(train_bpe(make_docs(), vocab_size=300)))[0] == "vocabulary"
     assert T.tokenizer_differences(rebuilt, {"tokenizer": "0" * 64}) == list(rebuilt.fingerprint_parts)  # names none
-    extra = {"model_config": {}, "data_digest": "stream", **record}
-    check_resumable(tmp_path / "step_000001", {**extra, **T.tokenizer_record(rebuilt)}, {}, rebuilt, "stream")
+    extra, data = {"model_config": {}, **record}, types.SimpleNamespace(tokenizer=rebuilt, digest="", version=None)
+    check_resumable(tmp_path / "step_000001", {**extra, **T.tokenizer_record(rebuilt)}, {}, data)
     with pytest.raises(ConfigError, match=r"^data.tokenizer has the vocabulary of the tokenizer .*step_000001 was trained "
                        r"with, but tokenizes text differently as loaded now: its normalizer and pre-tokenizer differ, "
                        r"so the model would be given other ids for the same text; load it with transformers 4.55.4, "
                        r"which it was recorded under \(this is .*\); or start a new run_dir$"):
-        check_resumable(tmp_path / "step_000001", extra, {}, rebuilt, "stream")
+        check_resumable(tmp_path / "step_000001", extra, {}, data)
 
 
 def test_settings_that_make_no_id_leave_the_fingerprint_alone():
@@ -517,7 +517,7 @@ def test_a_token_cache_whose_record_is_damaged_is_tokenized_again(tmp_path, capl
         again = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
         assert (again.num_tokens, again.digest) == (first.num_tokens, first.digest)
         assert f"its record {record.name} cannot be read" in caplog.text and "tokenizing the data again" in caplog.text
-        assert record.read_text() == f"{first.digest} {first.num_tokens}\n"
+        assert record.read_text() == f"{first.digest} {first.num_tokens} {token_cache.STREAM_VERSION}\n"
 
 
 def test_a_token_cache_that_cannot_be_written_is_named(tmp_path, monkeypatch):

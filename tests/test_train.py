@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -532,6 +533,30 @@ def test_resume_on_other_data_of_the_same_size_is_refused(corpus, tmp_path):
         Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "data.path": [str(other)], "train.max_steps": 2}))
     assert (tmp_path / "run" / "config.toml").read_bytes() == config
     Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "train.max_steps": 2}))  # the same data resumes
+
+
+def test_a_resume_on_a_stream_another_version_made_says_the_data_may_be_unchanged(corpus, tmp_path):
+    """A run on documents over a million characters, which this version cuts into pieces otherwise than the one
+    that trained it, was refused as trained on other data than data.path gives; its data were the same. The
+    cache and checkpoint record the version of the program's tokenization (none before), so that is said."""
+    from pipeline_parallel.token_cache import STREAM_VERSION
+
+    own = {"data.max_tokens": 20_000, "train.max_steps": 1, "pipeline.num_microbatches": 1, "checkpoint.interval": 1}
+    run(make_cfg(tmp_path / "run", corpus, **own))
+    (record,) = (tmp_path / "run").glob("tokens-*.sha256")
+    assert record.read_text().split()[2] == str(STREAM_VERSION)
+    meta = tmp_path / "run" / "checkpoints" / "step_000001" / "meta.json"
+    saved = json.loads(meta.read_text())
+    assert saved["extra"]["data_version"] == STREAM_VERSION
+    del saved["extra"]["data_version"]  # as an earlier version saved it, on the stream it made of the same text
+    saved["extra"]["data_digest"] = "0" * 64
+    meta.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=rf"step_000001 was trained on a token stream that another version of this "
+                       rf"program made \(which recorded no version\), and data.path gives another now \(version "
+                       rf"{STREAM_VERSION}\): the data may be unchanged, only tokenized differently \(version 3 cuts a "
+                       rf"document over a million characters between words .*\), but the run's place .*\. Resume with the version of "
+                       rf"pipeline_parallel that trained it, or start a new run_dir .*--hf-model"):
+        Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "train.max_steps": 2}))
 
 
 def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, tmp_path):
