@@ -23,7 +23,8 @@ from torch import nn
 from ._files import temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
-from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, loads_differently, tokenizer_differences
+from .tokenizer import (TOKENIZER_FILE, Tokenizer, load_tokenizer, loads_differently, tokenizer_differences,
+                        tokenizer_record)
 
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
@@ -117,20 +118,33 @@ def run_tokenizer(checkpoint: Path) -> Tokenizer:
             f"{run_dir.resolve()} holds no tokenizer ({TOKENIZER_DIR}/ or {TOKENIZER_FILE}); a checkpoint is "
             f"read with the tokenizer of its run directory, so give it where it lies there "
             f"(RUN_DIR/checkpoints/step_NNNNNN) or copy that tokenizer beside its checkpoints/ directory")
-    tokenizer = load_tokenizer(path)
-    record = read_extra(checkpoint)
+    return _checked(load_tokenizer(path), read_extra(checkpoint), str(path), f"{checkpoint} was trained with",
+                    "the checkpoint's", f"it was replaced after the checkpoint was saved, and the model would read and "
+                    f"write another tokenizer's ids. Put back the one it was trained with (the files of its data.tokenizer "
+                    f"or --hf-model in {run_dir / TOKENIZER_DIR}; one the run trained as {run_dir / TOKENIZER_FILE}, with no "
+                    f"{TOKENIZER_DIR}/ beside it), or give a checkpoint trained with this one")
+
+
+def export_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of the export at `path`; one that is not the one the export recorded is refused. An export
+    of an earlier version, or of another program, recorded none."""
+    record = json.loads((_export_metadata(Path(path)) or {}).get("tokenizer", "{}"))
+    return _checked(load_tokenizer(path), record, f"the tokenizer of {path}", "its model was exported with",
+                    "the export's", "its files were replaced after the export was written, and the model would read and "
+                    "write another tokenizer's ids. Put back the tokenizer files the export wrote, or export the "
+                    "checkpoint again")
+
+
+def _checked(tokenizer: Tokenizer, record: dict, what: str, made: str, whose: str, replaced: str) -> Tokenizer:
+    """`tokenizer` (`what`) if it is the one `record` names (see `tokenizer_differences`), the tokenizer the model
+    `made` (was trained with, was exported with); else a ValueError that says how it differs: `replaced` by
+    another, or loaded otherwise."""
     differences = tokenizer_differences(tokenizer, record)
     if "vocabulary" in differences:
-        raise ValueError(
-            f"{path} is not the tokenizer {checkpoint} was trained with (fingerprint {tokenizer.fingerprint()[:12]}, "
-            f"{tokenizer.vocab_size:,} tokens; the checkpoint's is {record['tokenizer'][:12]}): it was replaced after the "
-            f"checkpoint was saved, and the model would read and write another tokenizer's ids. Put back the one it "
-            f"was trained with (the files of its data.tokenizer or --hf-model in {run_dir / TOKENIZER_DIR}; one the "
-            f"run trained as {run_dir / TOKENIZER_FILE}, with no {TOKENIZER_DIR}/ beside it), or give a checkpoint "
-            f"trained with this one")
+        raise ValueError(f"{what} is not the tokenizer {made} (fingerprint {tokenizer.fingerprint()[:12]}, "
+                         f"{tokenizer.vocab_size:,} tokens; {whose} is {record['tokenizer'][:12]}): {replaced}")
     if differences:
-        raise ValueError(f"{path} has the vocabulary of the tokenizer {checkpoint} was trained with, "
-                         f"{loads_differently(differences, record)}")
+        raise ValueError(f"{what} has the vocabulary of the tokenizer {made}, {loads_differently(differences, record)}")
     return tokenizer
 
 
@@ -216,7 +230,9 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
         state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
     # Written last, the weights name every file of the export: a later export replaces only those.
     files = sorted([entry.name for entry in tmp.iterdir()] + [WEIGHTS_FILE])
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **_EXPORT_MARK, "files": json.dumps(files)})
+    # The tokenizer it was exported with, which `export_tokenizer` checks: in the metadata, where transformers ignores it.
+    metadata = {"format": "pt", **_EXPORT_MARK, "files": json.dumps(files), "tokenizer": json.dumps(tokenizer_record(tokenizer))}
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
 
@@ -262,6 +278,14 @@ def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
 def _exported_files(out_dir: Path) -> set[str] | None:
     """The files `save_hf_model` wrote into `out_dir` (its weights carry our mark and name them), or
     None if it is not an export. An export made before the weights named the files: all it holds."""
+    metadata = _export_metadata(out_dir)
+    if metadata is None:
+        return None
+    return set(json.loads(metadata["files"])) if "files" in metadata else {e.name for e in out_dir.iterdir()}
+
+
+def _export_metadata(out_dir: Path) -> dict | None:
+    """The metadata `save_hf_model` gave the weights in `out_dir`, or None if it is not an export."""
     from safetensors import safe_open
 
     try:
@@ -269,9 +293,7 @@ def _exported_files(out_dir: Path) -> set[str] | None:
             metadata = f.metadata() or {}
     except Exception:  # missing or not safetensors
         return None
-    if any(metadata.get(key) != value for key, value in _EXPORT_MARK.items()):
-        return None
-    return set(json.loads(metadata["files"])) if "files" in metadata else {e.name for e in out_dir.iterdir()}
+    return None if any(metadata.get(key) != value for key, value in _EXPORT_MARK.items()) else metadata
 
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):

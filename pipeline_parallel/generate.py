@@ -13,20 +13,22 @@ from torch import nn
 
 from ._checks import is_utf8
 from .checkpoint import is_checkpoint
-from .export import load_full_model
+from .export import export_tokenizer, load_full_model
 from .models import generate
 from .models.decoder import hf_float32
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
-    """An exported model directory (config.json + safetensors), or a run / checkpoint directory."""
+    """An exported model directory (config.json + safetensors), or a run / checkpoint directory; with the
+    tokenizer it was trained or exported with (another is refused before the model loads)."""
     path = Path(path)
     if (path / "config.json").is_file() and not is_checkpoint(path):
         import transformers
 
+        tokenizer = export_tokenizer(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **hf_float32(), local_files_only=True)
-        return model.eval(), load_tokenizer(path)
+        return model.eval(), tokenizer
     return load_full_model(path)
 
 

@@ -257,13 +257,15 @@ def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
     assert bare.eos_id != llama.eos_id and bare.fingerprint() != llama.fingerprint()
 
 
-def _replace_run_tokenizer(run, cfg):
-    """Put another tokenizer of the same size in place of the tokenizer of the run in `run`."""
+def _replace_run_tokenizer(run, cfg, tokenizer_dir=None):
+    """Put another tokenizer of the same size in place of the tokenizer of the run in `run` (or in `tokenizer_dir`)."""
+    tokenizer_dir = tokenizer_dir or run / "tokenizer"
     text = Path(cfg.data.path[0]).read_text()
     other = train_bpe([text[len(text) // 2:] + text[: len(text) // 2].upper()], vocab_size=320)
-    assert other.vocab_size == load_tokenizer(run / "tokenizer").vocab_size  # only the fingerprint tells them apart
-    shutil.rmtree(run / "tokenizer")
-    other.save(run / "tokenizer")
+    assert other.vocab_size == load_tokenizer(tokenizer_dir).vocab_size  # only the fingerprint tells them apart
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_dir / name).unlink(missing_ok=True)
+    other.save(tokenizer_dir)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -283,6 +285,41 @@ def test_export_and_generate_refuse_a_tokenizer_the_checkpoint_was_not_trained_w
             main(args)
         assert exit_info.value.code == 2 and re.fullmatch(f"error: .*{refused}\n", capsys.readouterr().err)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_generate_refuses_an_export_whose_tokenizer_is_not_the_one_it_was_exported_with(trained, tmp_path, capsys):
+    """An export recorded no tokenizer, so generate sampled with whatever tokenizer files lay in it. It records the
+    tokenizer in its weights' metadata, which transformers does not read: one replaced since is refused, one
+    with the same vocabulary that tokenizes otherwise is told so, and an export that recorded none is taken."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    run_dir, cfg = trained
+    out, _, tokenizer = export(run_dir, tmp_path / "hf")
+    assert load_model(out)[1].fingerprint() == tokenizer.fingerprint()
+    assert transformers.AutoTokenizer.from_pretrained(out).vocab_size == tokenizer.vocab_size
+    _replace_run_tokenizer(out, cfg, tokenizer_dir=out)
+    refused = (r"the tokenizer of .*hf is not the tokenizer its model was exported with \(fingerprint \w{12}, 320 tokens; "
+               r"the export's is \w{12}\): its files were replaced after the export was written, .* Put back the "
+               r"tokenizer files the export wrote, or export the checkpoint again")
+    with pytest.raises(ValueError, match=refused):
+        load_model(out)
+    capsys.readouterr()  # what loading the model printed before
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(out)])
+    assert exit_info.value.code == 2 and re.fullmatch(f"error: {refused}\n", capsys.readouterr().err)
+
+    spec = json.loads(tokenizer.backend.to_str())  # the same vocabulary, a space put before each text
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"the tokenizer of .*hf has the vocabulary of the tokenizer its model was "
+                                         r"exported with, but tokenizes text differently as loaded now: its pre-tokenizer differs"):
+        load_model(out)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:  # as an earlier version exported it
+        metadata = {key: value for key, value in f.metadata().items() if key != "tokenizer"}
+    save_file(load_file(out / "model.safetensors"), str(out / "model.safetensors"), metadata=metadata)
+    assert load_model(out)[1].vocab_size == tokenizer.vocab_size
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
