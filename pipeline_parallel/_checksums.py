@@ -1,11 +1,11 @@
 """The size and SHA-256 of each file of a checkpoint, recorded when it is saved and compared before it is loaded, so
-that a file damaged since (bits flipped, cut short, replaced, lost, or one added) is named instead of loaded."""
+that a file damaged since (bits flipped, cut short, replaced or lost) is named instead of loaded. A file added
+beside them is no damage: a load reads only the files .metadata names, and .metadata is checked."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Collection
 from pathlib import Path
 
 _CHUNK = 1 << 20  # bytes hashed at a time: a file of any size is streamed, never held whole
@@ -21,12 +21,11 @@ def file_record(path: Path) -> dict:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1),
-                unrecorded: Collection[str] = ()) -> list[str]:
+def differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1)) -> list[str]:
     """How checkpoint `directory` differs from the `record` of its files (name -> `file_record`) taken when it was
     saved; empty if it does not, or if there is no record (None) to compare with.
 
-    Files lost, added (besides `unrecorded`) or of another size are found from the listing, alike by every caller.
+    Files lost or of another size are found from the listing, alike by every caller.
     Only if there are none are the files read: the `share` (rank, world_size) of them this caller hashes, the largest
     dealt out first, so that the ranks of a group read every file once between them.
     """
@@ -37,8 +36,6 @@ def differences(directory: Path, record: dict[str, dict] | None, share: tuple[in
     except OSError as e:
         return [f"its files cannot be listed: {e}"]
     problems = [f"it lacks {name}" for name in sorted(record.keys() - sizes.keys())]
-    problems += [f"it holds {name}, which it was not saved with"
-                 for name in sorted(sizes.keys() - record.keys() - set(unrecorded))]
     problems += [f"its file {name} has {sizes[name]:,} bytes where {saved['bytes']:,} were saved"
                  for name, saved in sorted(record.items()) if name in sizes and sizes[name] != saved["bytes"]]
     if problems:

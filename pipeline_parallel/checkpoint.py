@@ -287,7 +287,7 @@ def _differences(path: Path, comm: PipeComm) -> list[str]:
     """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
     every rank of `comm`, which all call it: each hashes its share of the files."""
     try:
-        mine = differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size), unrecorded=[META])
+        mine = differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
     except (OSError, ValueError) as e:
         mine = [f"its {META} cannot be read: {e}"]
     return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
@@ -439,7 +439,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     Pass optimizer=None to load only the model; then `.grad` is left as it is.
 
     First the files are compared with the record meta.json holds (the ranks hash a share each):
-    one lost, added, resized or changed raises DamagedCheckpointError on every rank, naming it
+    one lost, resized or changed raises DamagedCheckpointError on every rank, naming it
     and the newest checkpoint that is intact. A checkpoint saved before records loads unchecked.
     """
     path = Path(path)
