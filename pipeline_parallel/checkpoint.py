@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -18,13 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from ._checksums import differences, file_record
+from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, differences
 from ._files import atomic_write, fsync_dir
 from .comm import PipeComm
 
@@ -44,10 +41,6 @@ _STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint's `.metadata` references something other than DCP metadata types."""
-
-
 class DamagedCheckpointError(ValueError):
     """A checkpoint that cannot be used as it was saved (`why`); `earlier` is the newest other one that can (None:
     none is left), which the message names to use instead."""
@@ -63,89 +56,6 @@ class DamagedCheckpointError(ValueError):
         """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path)."""
         instead = use.replace("{}", str(self.earlier)) if self.earlier else "no earlier one is left"
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
-
-
-_ALLOWED_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
-    ("collections", "OrderedDict"),
-    *((mod, cls) for mod in ("pathlib", "pathlib._local")
-      for cls in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-}
-_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only the classes DCP writes into `.metadata`."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(torch.__dict__.get(name), _TORCH_ENUMS)
-        ):
-            return super().find_class(module, name)
-        raise UnsafeCheckpointError(
-            f"checkpoint metadata references {module}.{name}, which is not a DCP metadata "
-            "type; refusing to unpickle it. The .metadata file is corrupt or was tampered "
-            "with: only load checkpoints written by save_checkpoint."
-        )
-
-
-class _SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose `.metadata` unpickling cannot run arbitrary code.
-
-    DCP's own reader calls `pickle.load` on it; this one accepts only DCP metadata
-    classes. Tensor data is read by DCP with `torch.load(weights_only=True)`.
-    """
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
-        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _RecordingWriter(dcp.FileSystemWriter):
-    """FileSystemWriter that records the size and SHA-256 of each file it writes, right after writing it (so from the
-    page cache), for meta.json. A failure to record is one of the save's, which DCP raises on every rank."""
-
-    def __init__(self, path: Path):
-        super().__init__(path)
-        self.files: dict[str, dict] = {}
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        future = super().write_data(plan, planner)  # done: FileSystemWriter writes before it returns
-        self._record(result.storage_data.relative_path for result in future.wait())
-        return future
-
-    def finish(self, metadata: Metadata, results: Any) -> None:  # on the coordinator, which writes .metadata
-        super().finish(metadata, results)
-        self._record([".metadata"])
-
-    def _record(self, names) -> None:
-        self.files |= {name: file_record(Path(self.path) / name) for name in sorted(set(names))}
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """Load planner that decodes non-tensor values (lr, betas, ...) with weights_only."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        # The parent uses torch.load(weights_only=False): decode safely here, then
-        # hand it a fresh encoding of the now known-plain value.
-        clean = io.BytesIO()
-        torch.save(torch.load(value, weights_only=True), clean)
-        clean.seek(0)
-        super().load_bytes(read_item, clean)
 
 
 def _distributed() -> bool:
@@ -369,7 +279,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if optimizer is not None:
         state["optim"] = _add_tied_aliases(model, state["optim"])
     state["rng"] = {f"rank{rank}": rng}  # RNG is per rank: its own keys
-    writer = _RecordingWriter(tmp)
+    writer = RecordingWriter(tmp)
     try:
         with _quiet_if_single_process():
             dcp.save(state, storage_writer=writer, process_group=group)
@@ -467,7 +377,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     problems = _differences(path, comm)  # before any file is read
     if problems:
         raise damaged(_listed(problems))
-    reader = _SafeFileSystemReader(path)
+    reader = SafeFileSystemReader(path)
     try:
         saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
     except UnsafeCheckpointError:
@@ -484,7 +394,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                          "different model or config?")
     try:
         with _quiet_if_single_process():
-            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=group)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
         first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
         first = _shortened(first.splitlines()[0])

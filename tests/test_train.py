@@ -770,7 +770,7 @@ def _saves_failing(rank, world_size, cfgs):
     """What each rank raises when rank 1's shards cannot be written, and when rank 0 cannot publish."""
     from pipeline_parallel import checkpoint as checkpoint_module
 
-    class FullDisk(checkpoint_module._RecordingWriter):  # the checkpoint's DCP writer
+    class FullDisk(checkpoint_module.RecordingWriter):  # the checkpoint's DCP writer
         def write_data(self, plan, planner):
             raise OSError(28, "No space left on device")
 
@@ -778,9 +778,9 @@ def _saves_failing(rank, world_size, cfgs):
         raise OSError(28, "No space left on device")
 
     said = []
-    for cfg, (replacement, failing) in zip(cfgs, (("_RecordingWriter", FullDisk), ("atomic_write", no_room))):
+    for cfg, (replacement, failing) in zip(cfgs, (("RecordingWriter", FullDisk), ("atomic_write", no_room))):
         saved = getattr(checkpoint_module, replacement)
-        if rank == (1 if replacement == "_RecordingWriter" else 0):
+        if rank == (1 if replacement == "RecordingWriter" else 0):
             setattr(checkpoint_module, replacement, failing)
         try:
             with pytest.raises(CheckpointNotSaved) as raised:
