@@ -186,27 +186,69 @@ def _read_meta(path: Path) -> dict:
         raise _damaged(path, f"its {META} cannot be read: {e}") from None
 
 
-def _damaged(path: Path, why: str, intact: Callable[[Path], bool] = _is_complete) -> DamagedCheckpointError:
+def _damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
     """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
-    is `intact`: by default complete (a load, where every rank takes part, also compares files with their record)."""
+    is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where the
+    ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
     others = sorted((p for p in _step_dirs(path.parent) if p != path), key=_save_order, reverse=True)
-    return DamagedCheckpointError(path, why, next((p for p in others if intact(p)), None))
+    if comm is None:
+        return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
+    others = comm.all_gather_object(others)[0]
+    return DamagedCheckpointError(path, why, next((p for p in others if _intact(p, comm)), None))
 
 
 def _differences(path: Path, comm: PipeComm) -> list[str]:
     """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
     every rank of `comm`, which all call it: each hashes its share of the files."""
+    mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
     try:
-        mine = differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
+        mine += differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
     except (OSError, ValueError) as e:
-        mine = [f"its {META} cannot be read: {e}"]
+        mine += [f"its {META} cannot be read: {e}"]
     return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
 
 
 def _intact(path: Path, comm: PipeComm) -> bool:
-    """Whether checkpoint `path` is complete and its files are as saved (every rank of `comm` calls it)."""
-    problems = _differences(path, comm)  # on every rank, whatever each finds, so that none waits for another
-    return _is_complete(path) and not problems
+    """Whether checkpoint `path` is complete and its files are as saved, alike on every rank of `comm`, which all
+    call it."""
+    return not _differences(path, comm)
+
+
+def _alike(fn: Callable[[], Any], comm: PipeComm) -> Any:
+    """`fn()`, file work done on every rank of `comm`, whose first failure (of the files) is raised on every rank
+    alike: each rank may see the files otherwise (another node's view), and none must go on to wait for one that
+    stopped."""
+    try:
+        result, error = fn(), None
+    except (OSError, ValueError, pickle.UnpicklingError) as e:
+        result, error = None, e
+    failed = next((e for e in comm.all_gather_object(error) if e is not None), None)
+    if failed is not None:
+        raise failed
+    return result
+
+
+def _meta_to_load(path: Path, optimizer: torch.optim.Optimizer | None) -> dict:
+    """The meta.json of checkpoint `path`, which a load with `optimizer` can use; else why not."""
+    _require_complete(path)
+    meta = _read_meta(path)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "
+                         f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None")
+    return meta
+
+
+def _saved_entries(path: Path, reader: SafeFileSystemReader) -> dict:
+    """The entries checkpoint `path` holds, from its .metadata; an UnsafeCheckpointError if that is a pickle of other
+    things, a DamagedCheckpointError if it cannot be read."""
+    try:
+        return reader.read_metadata().state_dict_metadata
+    except UnsafeCheckpointError:
+        raise
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        raise DamagedCheckpointError(path, f"its .metadata cannot be read: {type(e).__name__}: {e}", None) from None
 
 
 def _listed(problems: list[str], most: int = 3) -> str:
@@ -352,53 +394,41 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     one lost, resized or changed raises DamagedCheckpointError on every rank, naming it
     and the newest checkpoint that is intact. A checkpoint saved before records loads unchecked.
     """
-    path = Path(path)
-    _require_complete(path)
-    meta = _read_meta(path)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "
-                         f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
-    if optimizer is not None and not meta["has_optimizer"]:
-        raise ValueError(f"{path} was saved without optimizer state; pass optimizer=None")
-    comm = PipeComm(group)
+    path, comm = Path(path), PipeComm(group)
     rank, world_size = comm.pp_rank, comm.pp_size
-
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)  # else the lazy optimizer state is not created
-    state = _stage_state(model, optimizer)
-    restore_rng = meta["world_size"] == world_size
-    if restore_rng:  # current states serve as right-shaped buffers for dcp.load to fill
-        current = _rng_state()
-        state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
-
-    def damaged(why: str) -> DamagedCheckpointError:  # raised on every rank alike: they check the others together
-        return _damaged(path, why, intact=lambda other: _intact(other, comm))
-
-    problems = _differences(path, comm)  # before any file is read
-    if problems:
-        raise damaged(_listed(problems))
-    reader = SafeFileSystemReader(path)
     try:
-        saved = reader.read_metadata().state_dict_metadata  # refuses unsafe pickles up front
-    except UnsafeCheckpointError:
-        raise
-    except (OSError, EOFError, pickle.UnpicklingError) as e:
-        raise damaged(f"its .metadata cannot be read: {type(e).__name__}: {e}") from None
-    wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
-    missing = [k for k in wanted if k not in saved]
-    reports = comm.all_gather_object((len(missing), missing[:3]))
-    lacking = [(r, count, some) for r, (count, some) in enumerate(reports) if count]
-    if lacking:  # on every rank alike, rather than leave the others waiting
-        failed, count, some = lacking[0]
-        raise ValueError(f"{path} lacks {count} entries rank {failed} needs, e.g. {some}; was it saved from a "
-                         "different model or config?")
-    try:
-        with _quiet_if_single_process():
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
-        first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
-        first = _shortened(first.splitlines()[0])
-        raise damaged(f"its tensors cannot be read, or it was saved from another model: {first}") from None
+        meta = _alike(lambda: _meta_to_load(path, optimizer), comm)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)  # else the lazy optimizer state is not created
+        state = _stage_state(model, optimizer)
+        restore_rng = meta["world_size"] == world_size
+        if restore_rng:  # current states serve as right-shaped buffers for dcp.load to fill
+            current = _rng_state()
+            state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
+
+        problems = _differences(path, comm)  # before any file is read
+        if problems:
+            raise DamagedCheckpointError(path, _listed(problems), None)
+        reader = SafeFileSystemReader(path)
+        saved = _alike(lambda: _saved_entries(path, reader), comm)  # refuses unsafe pickles up front
+        wanted = [f"model.{k}" for k in state["model"]] + [f"optim.{k}" for k in state.get("optim", {})]
+        missing = [k for k in wanted if k not in saved]
+        reports = comm.all_gather_object((len(missing), missing[:3]))
+        lacking = [(r, count, some) for r, (count, some) in enumerate(reports) if count]
+        if lacking:  # on every rank alike, rather than leave the others waiting
+            failed, count, some = lacking[0]
+            raise ValueError(f"{path} lacks {count} entries rank {failed} needs, e.g. {some}; was it saved from a "
+                             "different model or config?")
+        try:
+            with _quiet_if_single_process():
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+        except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+            first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
+            first = _shortened(first.splitlines()[0])
+            raise DamagedCheckpointError(path, f"its tensors cannot be read, or it was saved from another model: "
+                                               f"{first}", None) from None
+    except DamagedCheckpointError as e:  # on every rank alike, which name the newest intact checkpoint together
+        raise _damaged(path, e.why, comm) from None
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

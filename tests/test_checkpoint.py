@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -563,3 +565,67 @@ def test_a_checkpoint_saved_before_checksums_still_loads_quietly(tmp_path, caplo
     assert load_checkpoint(path, fresh, fresh_opt) == EXTRA
     assert_same(snapshot(fresh, fresh_opt), snapshot(model, opt))
     assert not caplog.records and not recwarn.list
+
+
+# ---------------------------------------------------------------- ranks that find different files
+
+
+def _unreadable_on_rank_1(rank, world_size, run_dir, name):
+    """Save steps 1 and 2; then load step 2 where its file `name` cannot be read on rank 1 alone (another node's view
+    of the files): each rank's error."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    for step in (1, 2):
+        save_checkpoint(run_dir, step, model, opt, {"step": step}, keep_last=0)
+    path = Path(run_dir) / "checkpoints" / "step_000002"
+    if rank == 1:
+        opened = builtins.open
+
+        def refusing(file, *args, **kwargs):
+            if Path(file) == path / name:
+                raise PermissionError(13, "Permission denied", str(file))
+            return opened(file, *args, **kwargs)
+
+        builtins.open = io.open = refusing
+    try:
+        load_checkpoint(path, make_stage(rank, world_size, seed=1), None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("name", ["meta.json", ".metadata"])
+def test_a_file_one_rank_cannot_read_fails_every_rank_alike(tmp_path, name):
+    """Rank 1 raised PermissionError (or, for .metadata, went on to name an earlier checkpoint) while rank 0 went on
+    to the next step of the load, waiting for rank 1 (until the group's timeout, 30 minutes by default)."""
+    first, second = run_distributed(_unreadable_on_rank_1, 2, str(tmp_path), name, timeout=30)
+    assert first == second and "Permission denied" in first and name in first, (first, second)
+
+
+def _older_incomplete_on_rank_1(rank, world_size, run_dir):
+    """Steps 1 and 2 saved before records, step 3 with a byte flipped; rank 1 alone sees step 2 lacking its .metadata
+    (another node's view): the error each rank raises on loading step 3."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    paths = [save_checkpoint(run_dir, step, model, opt, {"step": step}, keep_last=0) for step in (1, 2, 3)]
+    torch.distributed.barrier()
+    if rank == 0:
+        for path in paths[:2]:
+            unrecord(path)
+        _flip_a_byte(paths[2] / "__1_0.distcp")
+    if rank == 1:
+        missing_parts = ckpt._missing_parts
+        ckpt._missing_parts = lambda path: [".metadata"] if path == paths[1] else missing_parts(path)
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(paths[2], make_stage(rank, world_size, seed=1), None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_ranks_that_see_an_older_checkpoint_otherwise_name_the_same_one(tmp_path):
+    """Rank 0 named step 2, which it found complete, while rank 1 went on to check step 1 and waited for rank 0."""
+    first, second = run_distributed(_older_incomplete_on_rank_1, 2, str(tmp_path), timeout=30)
+    earlier = tmp_path / "checkpoints" / "step_000001"
+    assert first == second and first.endswith(f"use an earlier one, such as {earlier}"), (first, second)
