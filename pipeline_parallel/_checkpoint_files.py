@@ -120,7 +120,8 @@ def file_record(path: Path) -> dict:
 
 def differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1)) -> list[str]:
     """How checkpoint `directory` differs from the `record` of its files (name -> `file_record`) taken when it was
-    saved; empty if it does not, or if there is no record (None) to compare with.
+    saved; empty if it does not, or if there is no record (None) to compare with; a ValueError if `record` is no such
+    record.
 
     Files lost or of another size are found from the listing, alike by every caller.
     Only if there are none are the files read: the `share` (rank, world_size) of them this caller hashes, the largest
@@ -128,6 +129,8 @@ def differences(directory: Path, record: dict[str, dict] | None, share: tuple[in
     """
     if record is None:
         return []
+    if not _well_formed(record):  # else a KeyError on the rank that hashes the file, while the others wait for it
+        raise ValueError("its record of the files is not one that save_checkpoint writes")
     try:
         sizes = {entry.name: entry.stat().st_size for entry in os.scandir(directory)}
     except OSError as e:
@@ -147,3 +150,11 @@ def differences(directory: Path, record: dict[str, dict] | None, share: tuple[in
         if changed:
             problems.append(f"its file {name} has changed since it was saved (its SHA-256 is not the one recorded)")
     return problems
+
+
+def _well_formed(record: Any) -> bool:
+    """Whether `record` is a record of files as `RecordingWriter` takes it (meta.json, edited or with a bit flipped,
+    can hold anything)."""
+    return isinstance(record, dict) and all(
+        isinstance(saved, dict) and type(saved.get("bytes")) is int and isinstance(saved.get("sha256"), str)
+        for saved in record.values())

@@ -602,6 +602,31 @@ def test_a_file_one_rank_cannot_read_fails_every_rank_alike(tmp_path, name):
     assert first == second and "Permission denied" in first and name in first, (first, second)
 
 
+def _malformed_record(rank, world_size, run_dir):
+    """Save a checkpoint, then load it after a key of its meta.json's record of one file changed (a bit flipped)."""
+    model = make_stage(rank, world_size)
+    path = save_checkpoint(run_dir, 1, model, train(model), {"step": 1}, keep_last=0)
+    torch.distributed.barrier()
+    if rank == 0:
+        meta = json.loads((path / "meta.json").read_text())
+        meta["files"]["__1_0.distcp"]["sha2w6"] = meta["files"]["__1_0.distcp"].pop("sha256")
+        (path / "meta.json").write_text(json.dumps(meta))
+    torch.distributed.barrier()
+    try:
+        load_checkpoint(path, make_stage(rank, world_size, seed=1), None)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_malformed_record_of_files_is_damage_on_every_rank(tmp_path):
+    """The rank whose share held the file raised KeyError: 'sha256' while the other waited for it."""
+    first, second = run_distributed(_malformed_record, 2, str(tmp_path), timeout=30)
+    assert first == second, (first, second)
+    assert re.fullmatch(r"DamagedCheckpointError: checkpoint .*step_000001 is damaged \(its meta.json cannot be read: "
+                        r".*\); no earlier one is left", first), first
+
+
 def _older_incomplete_on_rank_1(rank, world_size, run_dir):
     """Steps 1 and 2 saved before records, step 3 with a byte flipped; rank 1 alone sees step 2 lacking its .metadata
     (another node's view): the error each rank raises on loading step 3."""
