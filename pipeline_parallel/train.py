@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .batch import differences
-from .checkpoint import latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
+from .checkpoint import DamagedCheckpointError, latest_checkpoint, load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
@@ -341,6 +341,10 @@ class Trainer:
             return
         try:
             out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
+        except DamagedCheckpointError as e:  # since it was saved: the command to export the intact one it names
+            again = "export an earlier one with: python -m pipeline_parallel.export {} --out DIR"
+            tqdm.write(f"export skipped: {e.advising(again)}")
+            return
         except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start:
             # the training stands, saved
             tqdm.write(f"export skipped: {e}. Export the checkpoint with: python -m pipeline_parallel.export "

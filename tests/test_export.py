@@ -500,3 +500,27 @@ def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus
     out = capsys.readouterr().out
     assert "export skipped: " in out and "is not the tokenizer" in out and "python -m pipeline_parallel.export " in out
     assert not (tmp_path / "run" / "export").exists() and latest_checkpoint(tmp_path / "run").name == "step_000001"
+
+
+def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_to_export(corpus, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """The skip's advice named the damaged checkpoint itself as the one to export."""
+    cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 2, "eval.interval": 0, "checkpoint.interval": 1,
+                                                 "export.at_end": True, "export.sample_tokens": 0})
+    import pipeline_parallel.train as train_module
+
+    def damaging_export(checkpoint, *args, **kwargs):
+        shard = next(checkpoint.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+        return export(checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "export", damaging_export)
+    Trainer(cfg).fit()
+    out = capsys.readouterr().out
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert (f"export skipped: checkpoint {ckpt_dir / 'step_000002'} is damaged (its file " in out
+            and f"export an earlier one with: python -m pipeline_parallel.export {ckpt_dir / 'step_000001'} --out DIR"
+            in out), out
+    assert not (tmp_path / "run" / "export").exists()
