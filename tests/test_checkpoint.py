@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import hashlib
 import io
+import logging
 import json
 import os
 import pickle
@@ -564,7 +565,8 @@ def test_a_checkpoint_saved_before_checksums_still_loads_quietly(tmp_path, caplo
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     assert load_checkpoint(path, fresh, fresh_opt) == EXTRA
     assert_same(snapshot(fresh, fresh_opt), snapshot(model, opt))
-    assert not caplog.records and not recwarn.list
+    # no warning (torch's own debug records of DCP may be there, as logging was set up by earlier tests)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING] and not recwarn.list
 
 
 # ---------------------------------------------------------------- ranks that find different files
