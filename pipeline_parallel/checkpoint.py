@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import re
+import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -53,8 +54,9 @@ class DamagedCheckpointError(ValueError):
         return self.advising("use an earlier one, such as {}")
 
     def advising(self, use: str) -> str:
-        """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path)."""
-        instead = use.replace("{}", str(self.earlier)) if self.earlier else "no earlier one is left"
+        """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path, quoted for a shell
+        where it needs to be: `use` may be a command to copy)."""
+        instead = use.replace("{}", shlex.quote(str(self.earlier))) if self.earlier else "no earlier one is left"
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import stat
 from pathlib import Path
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         out_dir, model, _ = export(args.path, args.out, args.dtype)
     except DamagedCheckpointError as e:  # with the command that exports the intact checkpoint it names
         again = "export an earlier one with: python -m pipeline_parallel.export {}"
-        again += (f" --out {args.out}" if args.out else "") + (f" --dtype {args.dtype}" if args.dtype != "fp32" else "")
+        again += (f" --out {shlex.quote(args.out)}" if args.out else "") + (f" --dtype {args.dtype}" if args.dtype != "fp32" else "")
         parser.exit(2, f"error: {e.advising(again)}\n")
     except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable
         parser.exit(2, f"error: {e}\n")

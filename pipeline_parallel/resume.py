@@ -4,6 +4,7 @@ the same model, tokenizer and data, and steps left to train."""
 from __future__ import annotations
 
 import contextlib
+import shlex
 from pathlib import Path
 
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
@@ -54,7 +55,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
                               "further, raise train.max_steps; to export that checkpoint again: python -m "
-                              f"pipeline_parallel.export {path}")
+                              f"pipeline_parallel.export {shlex.quote(str(path))}")
     return path
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -348,7 +349,7 @@ class Trainer:
         except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start:
             # the training stands, saved
             tqdm.write(f"export skipped: {e}. Export the checkpoint with: python -m pipeline_parallel.export "
-                       f"{self.checkpoint} --out DIR")
+                       f"{shlex.quote(str(self.checkpoint))} --out DIR")
             return
         tqdm.write(f"Hugging Face model: {out}")
         if cfg.export.sample_tokens:

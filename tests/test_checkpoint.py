@@ -656,3 +656,13 @@ def test_ranks_that_see_an_older_checkpoint_otherwise_name_the_same_one(tmp_path
     first, second = run_distributed(_older_incomplete_on_rank_1, 2, str(tmp_path), timeout=30)
     earlier = tmp_path / "checkpoints" / "step_000001"
     assert first == second and first.endswith(f"use an earlier one, such as {earlier}"), (first, second)
+
+
+def test_the_checkpoint_a_damage_error_names_is_quoted_for_a_shell_where_it_must_be(tmp_path):
+    """The advice may be a command to copy (--resume PATH, the export command): a path with a space broke it."""
+    from pipeline_parallel.checkpoint import DamagedCheckpointError
+
+    plain = DamagedCheckpointError(tmp_path / "step_2", "its file x has changed", tmp_path / "step_1")
+    spaced = DamagedCheckpointError(tmp_path / "my run" / "step_2", "its file x has changed", tmp_path / "my run" / "step_1")
+    assert plain.advising("resume with --resume {}").endswith(f"resume with --resume {tmp_path / 'step_1'}")
+    assert spaced.advising("resume with --resume {}").endswith(f"resume with --resume '{tmp_path / 'my run' / 'step_1'}'")
