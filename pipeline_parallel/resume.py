@@ -10,8 +10,8 @@ from pathlib import Path
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
 from .data import Data
-from .token_cache import STREAM_CHANGES
 from .models.decoder import model_settings
+from .token_cache import STREAM_CHANGES
 from .tokenizer import loads_differently, tokenizer_differences
 
 # Model settings a resume may change: the initialisation's scale (already done) and the special ids
