@@ -8,7 +8,6 @@ import logging
 import os
 import pickle
 import re
-import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -51,12 +50,11 @@ class DamagedCheckpointError(ValueError):
         self.path, self.why, self.earlier = path, why, earlier
 
     def __str__(self) -> str:
-        return self.advising("use an earlier one, such as {}")
+        return self.advising(lambda earlier: f"use an earlier one, such as {earlier}")
 
-    def advising(self, use: str) -> str:
-        """The message, saying how to `use` the earlier checkpoint ("{}" stands for its path, quoted for a shell
-        where it needs to be: `use` may be a command to copy)."""
-        instead = use.replace("{}", shlex.quote(str(self.earlier))) if self.earlier else "no earlier one is left"
+    def advising(self, use: Callable[[Path], str]) -> str:
+        """The message, saying how to use the earlier checkpoint: `use(its path)`, say a command that takes it."""
+        instead = use(self.earlier) if self.earlier else "no earlier one is left"
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 

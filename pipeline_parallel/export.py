@@ -307,6 +307,12 @@ def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp
     return save_hf_model(model, tokenizer, out_dir, dtype, source), model, tokenizer
 
 
+def export_command(checkpoint: str | Path, out: str | Path | None = None, dtype: str = "fp32") -> str:
+    """The command that exports `checkpoint` (into `out`, in `dtype`), quoted for a shell, for a message to give."""
+    options = (["--out", str(out)] if out else []) + (["--dtype", dtype] if dtype != "fp32" else [])
+    return shlex.join(["python", "-m", "pipeline_parallel.export", str(checkpoint), *options])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pipeline_parallel.export",
                                      description="Export a training checkpoint as one Hugging Face model (safetensors, "
@@ -318,9 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out_dir, model, _ = export(args.path, args.out, args.dtype)
     except DamagedCheckpointError as e:  # with the command that exports the intact checkpoint it names
-        again = "export an earlier one with: python -m pipeline_parallel.export {}"
-        again += (f" --out {shlex.quote(args.out)}" if args.out else "") + (f" --dtype {args.dtype}" if args.dtype != "fp32" else "")
-        parser.exit(2, f"error: {e.advising(again)}\n")
+        again = e.advising(lambda earlier: f"export an earlier one with: {export_command(earlier, args.out, args.dtype)}")
+        parser.exit(2, f"error: {again}\n")
     except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable
         parser.exit(2, f"error: {e}\n")
     print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")

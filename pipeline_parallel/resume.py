@@ -10,6 +10,7 @@ from pathlib import Path
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
 from .config import Config, ConfigError, as_config_error
 from .data import Data
+from .export import export_command
 from .models.decoder import model_settings
 from .token_cache import STREAM_CHANGES
 from .tokenizer import loads_differently, tokenizer_differences
@@ -32,7 +33,8 @@ def as_resume_error():
         try:
             yield
         except DamagedCheckpointError as e:
-            raise ValueError(e.advising("resume from an earlier one with --resume {}")) from None
+            again = e.advising(lambda earlier: f"resume from an earlier one with --resume {shlex.quote(str(earlier))}")
+            raise ValueError(again) from None
 
 
 def checkpoint_to_resume(cfg: Config) -> Path | None:
@@ -54,8 +56,8 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
         if step >= cfg.train.max_steps:  # starting would only repeat the run's end
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
-                              "further, raise train.max_steps; to export that checkpoint again: python -m "
-                              f"pipeline_parallel.export {shlex.quote(str(path))}")
+                              "further, raise train.max_steps; to export that checkpoint again: "
+                              f"{export_command(path)}")
     return path
 
 

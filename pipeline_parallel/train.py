@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shlex
 import signal
 import sys
 import tempfile
@@ -22,8 +21,8 @@ from .checkpoint import DamagedCheckpointError, latest_checkpoint, load_checkpoi
 from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, llama_config, parse_args, settings, to_toml, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, hf_config_dict, keep_run_tokenizer,
-                     load_hf_weights)
+from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, export_command, hf_config_dict,
+                     keep_run_tokenizer, load_hf_weights)
 from .generate import sample
 from .launch import Interrupted, join_group, setup_device, stop_signals_raise, tell_torchrun, world_size
 from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
@@ -343,13 +342,12 @@ class Trainer:
         try:
             out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
         except DamagedCheckpointError as e:  # since it was saved: the command to export the intact one it names
-            again = "export an earlier one with: python -m pipeline_parallel.export {} --out DIR"
-            tqdm.write(f"export skipped: {e.advising(again)}")
+            again = e.advising(lambda earlier: f"export an earlier one with: {export_command(earlier, 'DIR')}")
+            tqdm.write(f"export skipped: {again}")
             return
         except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start:
             # the training stands, saved
-            tqdm.write(f"export skipped: {e}. Export the checkpoint with: python -m pipeline_parallel.export "
-                       f"{shlex.quote(str(self.checkpoint))} --out DIR")
+            tqdm.write(f"export skipped: {e}. Export the checkpoint with: {export_command(self.checkpoint, 'DIR')}")
             return
         tqdm.write(f"Hugging Face model: {out}")
         if cfg.export.sample_tokens:

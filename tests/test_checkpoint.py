@@ -661,8 +661,17 @@ def test_ranks_that_see_an_older_checkpoint_otherwise_name_the_same_one(tmp_path
 def test_the_checkpoint_a_damage_error_names_is_quoted_for_a_shell_where_it_must_be(tmp_path):
     """The advice may be a command to copy (--resume PATH, the export command): a path with a space broke it."""
     from pipeline_parallel.checkpoint import DamagedCheckpointError
+    from pipeline_parallel.config import ConfigError
+    from pipeline_parallel.export import export_command
+    from pipeline_parallel.resume import as_resume_error
 
-    plain = DamagedCheckpointError(tmp_path / "step_2", "its file x has changed", tmp_path / "step_1")
-    spaced = DamagedCheckpointError(tmp_path / "my run" / "step_2", "its file x has changed", tmp_path / "my run" / "step_1")
-    assert plain.advising("resume with --resume {}").endswith(f"resume with --resume {tmp_path / 'step_1'}")
-    assert spaced.advising("resume with --resume {}").endswith(f"resume with --resume '{tmp_path / 'my run' / 'step_1'}'")
+    def resume_advice(run: Path) -> str:
+        with pytest.raises(ConfigError) as raised, as_resume_error():
+            raise DamagedCheckpointError(run / "step_2", "its file x has changed", run / "step_1")
+        return str(raised.value)
+
+    assert resume_advice(tmp_path).endswith(f"resume from an earlier one with --resume {tmp_path / 'step_1'}")
+    assert resume_advice(tmp_path / "my run").endswith(f"resume from an earlier one with --resume "
+                                                      f"'{tmp_path / 'my run' / 'step_1'}'")
+    assert export_command(tmp_path / "my run" / "step_1", "DIR") == (f"python -m pipeline_parallel.export "
+                                                                     f"'{tmp_path / 'my run' / 'step_1'}' --out DIR")
