@@ -5,7 +5,6 @@ reads only the files .metadata names, and .metadata is checked."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
@@ -16,6 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from ._files import file_record
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -103,19 +104,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         torch.save(torch.load(value, weights_only=True), clean)
         clean.seek(0)
         super().load_bytes(read_item, clean)
-
-
-_CHUNK = 1 << 20  # bytes hashed at a time: a file of any size is streamed, never held whole
-
-
-def file_record(path: Path) -> dict:
-    """{"bytes": size, "sha256": hex digest} of the file at `path`."""
-    digest, size, chunk = hashlib.sha256(), 0, bytearray(_CHUNK)
-    with open(path, "rb") as f:
-        while count := f.readinto(chunk):
-            digest.update(memoryview(chunk)[:count])
-            size += count
-    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1)) -> list[str]:

@@ -1,7 +1,9 @@
-"""Small files written whole or not at all, so a reader (another rank, a resumed run) never sees half of one."""
+"""Files written whole or not at all, so a reader (another rank, a resumed run) never sees half of one, and
+hashed whole, so a reader can tell one changed since."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -46,3 +48,16 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_CHUNK = 1 << 20  # bytes hashed at a time: a file of any size is streamed, never held whole
+
+
+def file_record(path: Path) -> dict:
+    """{"bytes": size, "sha256": hex digest} of the file at `path`."""
+    digest, size, chunk = hashlib.sha256(), 0, bytearray(_CHUNK)
+    with open(path, "rb") as f:
+        while count := f.readinto(chunk):
+            digest.update(memoryview(chunk)[:count])
+            size += count
+    return {"bytes": size, "sha256": digest.hexdigest()}

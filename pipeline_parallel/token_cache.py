@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ._files import atomic_write, fsync_dir, temporary_path
+from ._files import atomic_write, file_record, fsync_dir, temporary_path
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,15 +36,8 @@ def stream_record(tokens: np.memmap) -> tuple[str, int | None]:
     trains on, so a resume can tell the data of its checkpoint from other data.
     """
     path = Path(tokens.filename)
-    digest, _, version = _read_record(path) or _record(path, _hash_tokens(tokens), len(tokens))
+    digest, _, version = _read_record(path) or _record(path, file_record(path)["sha256"], len(tokens))
     return digest, version
-
-
-def _hash_tokens(tokens: np.ndarray) -> str:
-    digest = hashlib.sha256()
-    for start in range(0, len(tokens), 1 << 24):
-        digest.update(tokens[start:start + (1 << 24)].tobytes())
-    return digest.hexdigest()
 
 
 # "sha256 count version"; earlier versions wrote the hash alone, then with the count
@@ -83,7 +76,7 @@ def _damage(path: Path, dtype) -> str | None:
         return None if size == written else f"it holds {size:,} bytes of the {written:,} written"
     if size == 0 or size % itemsize:
         return f"it holds {size:,} bytes, not a whole number of {itemsize}-byte tokens"
-    digest = _hash_tokens(np.memmap(path, dtype=dtype, mode="r"))
+    digest = file_record(path)["sha256"]
     if recorded is not None and digest != recorded[0]:
         return "its contents are not those hashed when it was written"
     _record(path, digest, size // itemsize)
