@@ -215,17 +215,26 @@ def _intact(path: Path, comm: PipeComm) -> bool:
 
 
 def _alike(fn: Callable[[], Any], comm: PipeComm) -> Any:
-    """`fn()`, file work done on every rank of `comm`, whose first failure (of the files) is raised on every rank
-    alike: each rank may see the files otherwise (another node's view), and none must go on to wait for one that
-    stopped."""
+    """`fn()`, file work done on every rank of `comm`, whose first failure is raised on every rank alike: each rank
+    may see the files otherwise (another node's view), and none must go on to wait for one that stopped, nor take
+    another way out of the load than the others."""
     try:
         result, error = fn(), None
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
+    except Exception as e:
         result, error = None, e
-    failed = next((e for e in comm.all_gather_object(error) if e is not None), None)
+    failed = next((e for e in comm.all_gather_object(_portable(error)) if e is not None), None)
     if failed is not None:
         raise failed
     return result
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """`error` if it can go to another process as it is (file errors do), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _meta_to_load(path: Path, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -629,6 +629,29 @@ def test_a_malformed_record_of_files_is_damage_on_every_rank(tmp_path):
                         r".*\); no earlier one is left", first), first
 
 
+def _meta_lacking_a_key_on_rank_1(rank, world_size, run_dir):
+    """Save a checkpoint with optimizer state; rank 1 alone reads its meta.json without "has_optimizer" (another
+    node's view, half-written by hand): the error each rank raises on loading it with an optimizer."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    path = save_checkpoint(run_dir, 1, model, opt, {"step": 1}, keep_last=0)
+    if rank == 1:
+        read_meta = ckpt._read_meta
+        ckpt._read_meta = lambda p: {k: v for k, v in read_meta(p).items() if k != "has_optimizer"}
+    fresh = make_stage(rank, world_size, seed=1)
+    try:
+        load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_any_error_of_one_rank_in_a_loads_checks_stops_every_rank(tmp_path):
+    """Only file errors were passed on: rank 1's KeyError left rank 0 waiting for it in the next collective."""
+    first, second = run_distributed(_meta_lacking_a_key_on_rank_1, 2, str(tmp_path), timeout=30)
+    assert first == second == "KeyError: 'has_optimizer'", (first, second)
+
+
 def _older_incomplete_on_rank_1(rank, world_size, run_dir):
     """Steps 1 and 2 saved before records, step 3 with a byte flipped; rank 1 alone sees step 2 lacking its .metadata
     (another node's view): the error each rank raises on loading step 3."""
