@@ -26,7 +26,8 @@ from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args,
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
 from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
-from pipeline_parallel.train import CheckpointNotSaved, Trainer, TrainingDiverged, main, run
+from pipeline_parallel.train import main, run
+from pipeline_parallel.trainer import CheckpointNotSaved, Trainer, TrainingDiverged
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -279,11 +280,11 @@ def test_ranks_started_with_different_settings_fail_together(tmp_path, monkeypat
 
 def _main_where_rank_1_misses_a_file(rank, world_size, run_dir):
     if rank == 1:  # as on a node that does not see the directory: only this rank's checks fail
-        import pipeline_parallel.train as train
+        import pipeline_parallel.trainer as trainer
 
         def validate(cfg, world_size):
             raise ConfigError("hf_model /models/mine is not a directory")
-        train.validate = validate
+        trainer.validate = validate
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
         main(["--run-dir", run_dir, "--train.max_steps", "4"])
@@ -418,14 +419,14 @@ def test_stages_are_balanced_for_the_training_sequence_length(corpus, tmp_path):
 
 def _slow_rank_worker(rank, world_size, cfg, port):
     """Rank 0 prepares the data and the last rank exports, each for longer than the group's timeout."""
-    import pipeline_parallel.train as train
+    import pipeline_parallel.trainer as trainer
 
     dist.destroy_process_group()  # again, with a timeout shorter than the slow parts
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=4))
     for name in ("prepare_data", "export"):
-        real = getattr(train, name)
-        setattr(train, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
+        real = getattr(trainer, name)
+        setattr(trainer, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
     return len(run(cfg))
 
 
@@ -450,12 +451,12 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
                                                                                   monkeypatch, capsys):
     """The same command again (a job started twice) prepared the data, loaded the checkpoint, exported and
     sampled again, and rewrote config.toml: the end of the run once more, for nothing."""
-    import pipeline_parallel.train as train
+    import pipeline_parallel.trainer as trainer
 
     run_dir, config = tmp_path / "run", tmp_path / "run.toml"
     shutil.copytree(runs[0], run_dir)  # complete at step 6
     files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
-    monkeypatch.setattr(train, "prepare_data", None)  # not called
+    monkeypatch.setattr(trainer, "prepare_data", None)  # not called
     last = run_dir / "checkpoints" / "step_000006"
     for max_steps in (6, 4):
         config.write_text(to_toml(make_cfg(run_dir, corpus, **{"train.max_steps": max_steps, "export.at_end": True})))
@@ -748,11 +749,11 @@ def test_divergence_stops_every_rank_before_the_update_and_keeps_the_checkpoints
 def _reading_other_data_on_rank_1(rank, world_size, cfg):
     import dataclasses
 
-    import pipeline_parallel.train as train
+    import pipeline_parallel.trainer as trainer
 
     if rank == 1:  # as if a file changed between the ranks' reads, or another node holds other copies
-        prepare = train.prepare_data
-        train.prepare_data = lambda *args, **kwargs: dataclasses.replace(prepare(*args, **kwargs), digest="f" * 64)
+        prepare = trainer.prepare_data
+        trainer.prepare_data = lambda *args, **kwargs: dataclasses.replace(prepare(*args, **kwargs), digest="f" * 64)
     with pytest.raises(ConfigError) as raised:
         Trainer(cfg)
     return str(raised.value)
