@@ -16,8 +16,9 @@ import torch
 
 from ._checks import SURROGATES
 from .loss import IGNORE_INDEX
+from .bpe import get_tokenizer
 from .token_cache import cached_tokens, stream_record
-from .tokenizer import Tokenizer, get_tokenizer
+from .tokenizer import Tokenizer
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet"}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_parallel.tokenizer import train_bpe
+from pipeline_parallel.bpe import train_bpe
 
 
 @pytest.fixture(scope="session")

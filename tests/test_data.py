@@ -16,7 +16,8 @@ import torch
 from pipeline_parallel import data as D
 from pipeline_parallel import token_cache
 from pipeline_parallel import tokenizer as T
-from pipeline_parallel.tokenizer import EOS_TOKEN, get_tokenizer, load_tokenizer, train_bpe
+from pipeline_parallel.bpe import get_tokenizer, train_bpe
+from pipeline_parallel.tokenizer import EOS_TOKEN, load_tokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while pipeline stages pass tensors along".split()
 
@@ -204,7 +205,7 @@ def test_trained_tokenizer_reloads_identically(tmp_path):
 def test_tokenizer_training_is_fed_no_word_longer_than_1024_characters():
     """A run without whitespace is one word to the pre-tokenizer, and the BPE trainer's time grows with a
     word's length squared (a million letters took over 9 minutes): the trainer gets such runs in pieces."""
-    from pipeline_parallel.tokenizer import _short_words
+    from pipeline_parallel.bpe import _short_words
 
     rng = random.Random(0)
     text = "".join(rng.choice(WORDS) for _ in range(50_000)) + " a b\n" + " " * 3000 + "end"

@@ -19,13 +19,14 @@ from test_train import _fit, _losses, make_cfg
 
 from pipeline_parallel import export as export_module
 from pipeline_parallel._files import temporary_path
+from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
 from pipeline_parallel.config import ConfigError, with_overrides
 from pipeline_parallel.data import TokenBatches, prepare_data
 from pipeline_parallel.export import export, keep_run_tokenizer, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
-from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
+from pipeline_parallel.tokenizer import load_tokenizer
 from pipeline_parallel.train import Trainer
 
 

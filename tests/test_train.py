@@ -22,10 +22,11 @@ import torch.distributed as dist
 from _dist import _free_port, run_distributed
 
 from pipeline_parallel import checkpoint as ckpt
+from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
-from pipeline_parallel.tokenizer import load_tokenizer, train_bpe
+from pipeline_parallel.tokenizer import load_tokenizer
 from pipeline_parallel.train import main, run
 from pipeline_parallel.trainer import CheckpointNotSaved, Trainer, TrainingDiverged
 
