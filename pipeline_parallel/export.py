@@ -24,8 +24,8 @@ from torch import nn
 from ._files import temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
-from .tokenizer import (TOKENIZER_FILE, Tokenizer, load_tokenizer, loads_differently, tokenizer_differences,
-                        tokenizer_record)
+from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from .tokenizer_identity import loads_differently, tokenizer_differences, tokenizer_record
 
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory

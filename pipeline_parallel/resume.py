@@ -13,7 +13,7 @@ from .data import Data
 from .export import export_command
 from .models.decoder import model_settings
 from .token_cache import STREAM_CHANGES
-from .tokenizer import loads_differently, tokenizer_differences
+from .tokenizer_identity import loads_differently, tokenizer_differences
 
 # Model settings a resume may change: the initialisation's scale (already done) and the special ids
 # (the tokenizer is checked itself).

@@ -28,7 +28,7 @@ from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume
-from .tokenizer import tokenizer_record
+from .tokenizer_identity import tokenizer_record
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
 

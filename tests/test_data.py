@@ -18,6 +18,7 @@ from pipeline_parallel import token_cache
 from pipeline_parallel import tokenizer as T
 from pipeline_parallel.bpe import get_tokenizer, train_bpe
 from pipeline_parallel.tokenizer import EOS_TOKEN, load_tokenizer
+from pipeline_parallel.tokenizer_identity import tokenizer_differences, tokenizer_record
 
 WORDS = "the quick brown fox jumps over a lazy dog while pipeline stages pass tensors along".split()
 
@@ -336,7 +337,7 @@ def test_a_llama_tokenizer_has_one_fingerprint_as_a_directory_and_as_its_tokeniz
     alone = load_tokenizer(tmp_path / "llama" / "tokenizer.json")
     same = _tokenizes(directory) == _tokenizes(alone)
     assert same == (directory.fingerprint() == alone.fingerprint())
-    assert same or not legacy or T.tokenizer_differences(directory, T.tokenizer_record(alone)) == ["normalizer", "pre-tokenizer"]
+    assert same or not legacy or tokenizer_differences(directory, tokenizer_record(alone)) == ["normalizer", "pre-tokenizer"]
     if not legacy:
         assert same and directory.vocab_size == alone.vocab_size and directory.document_ends == ([1], [])
 
@@ -373,15 +374,15 @@ def test_a_tokenizer_that_tokenizes_differently_as_loaded_now_is_told_from_anoth
     for legacy in (False, True):
         directory = _llama_directory(tmp_path / f"legacy-{legacy}", legacy)
         as_written, rebuilt = load_tokenizer(directory / "tokenizer.json"), _rebuilt(directory)
-        record = {**T.tokenizer_record(as_written), "transformers_version": "4.46.3"}
+        record = {**tokenizer_record(as_written), "transformers_version": "4.46.3"}
         differences = ["normalizer", "pre-tokenizer"] if legacy else []
-        assert T.tokenizer_differences(rebuilt, record) == differences
-        assert T.tokenizer_differences(rebuilt, {"tokenizer": _fingerprint_before(as_written)}) == differences
+        assert tokenizer_differences(rebuilt, record) == differences
+        assert tokenizer_differences(rebuilt, {"tokenizer": _fingerprint_before(as_written)}) == differences
         assert (rebuilt.fingerprint() == as_written.fingerprint()) == (not legacy)
-    assert T.tokenizer_differences(rebuilt, T.tokenizer_record(train_bpe(make_docs(), vocab_size=300)))[0] == "vocabulary"
-    assert T.tokenizer_differences(rebuilt, {"tokenizer": "0" * 64}) == list(rebuilt.fingerprint_parts)  # names none
+    assert tokenizer_differences(rebuilt, tokenizer_record(train_bpe(make_docs(), vocab_size=300)))[0] == "vocabulary"
+    assert tokenizer_differences(rebuilt, {"tokenizer": "0" * 64}) == list(rebuilt.fingerprint_parts)  # names none
     extra, data = {"model_config": {}, **record}, types.SimpleNamespace(tokenizer=rebuilt, digest="", version=None)
-    check_resumable(tmp_path / "step_000001", {**extra, **T.tokenizer_record(rebuilt)}, {}, data)
+    check_resumable(tmp_path / "step_000001", {**extra, **tokenizer_record(rebuilt)}, {}, data)
     with pytest.raises(ConfigError, match=r"^data.tokenizer has the vocabulary of the tokenizer .*step_000001 was trained "
                        r"with, but tokenizes text differently as loaded now: its normalizer and pre-tokenizer differ, "
                        r"so the model would be given other ids for the same text; load it with transformers 4.46.3, "
@@ -404,7 +405,7 @@ def test_settings_that_make_no_id_leave_the_fingerprint_alone():
     llama = _sentencepiece_like("metaspace-first")  # no byte tokens: "ü" is unknown
     with_unk = variant(llama, unk_token="</s>", byte_fallback=True)
     assert variant(llama, byte_fallback=True).fingerprint() != with_unk.fingerprint()
-    assert T.tokenizer_differences(variant(llama, byte_fallback=True), T.tokenizer_record(with_unk)) == ["model"]
+    assert tokenizer_differences(variant(llama, byte_fallback=True), tokenizer_record(with_unk)) == ["model"]
 
 
 def _sentencepiece_like(kind: str) -> T.Tokenizer:
