@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # bump when what a token file holds changes (2: the tokenizer's own BOS, markers as text)
 # What this program makes of a text: a new version when the same text and tokenizer give other tokens, with what
-# changed (data.PIECE_CHARS is the million). It is recorded with each cache and checkpoint, so that a resume tells a
+# changed (sources.PIECE_CHARS is the million). It is recorded with each cache and checkpoint, so that a resume tells a
 # stream tokenized otherwise from other data, and unlike CACHE_VERSION it leaves cache names alone: a run keeps the
 # stream its checkpoints were trained on.
 STREAM_CHANGES = {3: "cuts a document over a million characters between words and puts no space before its later pieces"}

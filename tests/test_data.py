@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline_parallel import data as D
+from pipeline_parallel import sources as S
 from pipeline_parallel import token_cache
 from pipeline_parallel import tokenizer as T
 from pipeline_parallel.bpe import get_tokenizer, train_bpe
@@ -38,7 +39,7 @@ def write_texts(dir_, docs):
 def documents(sources, **kwargs):
     """The documents iter_pieces yields, each joined from its pieces."""
     docs, text = [], ""
-    for piece, ends in D.iter_pieces(sources, **kwargs):
+    for piece, ends in S.iter_pieces(sources, **kwargs):
         text += piece
         if ends:
             docs, text = docs + [text], ""
@@ -53,26 +54,26 @@ def test_text_files_are_one_document_each(tmp_path):
     (tmp_path / "a.txt").write_text("hello\nworld\n")
     (tmp_path / "b.md").write_text("# title\n")
     (tmp_path / "c.weird").write_text("named directly, so read as text")
-    sources = D.expand_sources([tmp_path / "a.txt", str(tmp_path / "b.md"), tmp_path / "c.weird"])
+    sources = S.expand_sources([tmp_path / "a.txt", str(tmp_path / "b.md"), tmp_path / "c.weird"])
     assert documents(sources) == ["hello\nworld\n", "# title\n", "named directly, so read as text"]
 
 
 def test_jsonl_with_custom_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"body": "first", "id": 1}) + "\n\n" + json.dumps({"body": "second"}) + "\n")
-    assert documents(D.expand_sources(path), text_field="body") == ["first", "second"]
+    assert documents(S.expand_sources(path), text_field="body") == ["first", "second"]
     with pytest.raises(ValueError, match="set text_field to one of"):
-        documents(D.expand_sources(path))  # default field "text" is missing
+        documents(S.expand_sources(path))  # default field "text" is missing
     path.write_text('{"text": "caf\xe9"}\n"just a string"\n'.encode("latin-1").decode("utf-8", "surrogateescape"),
                     errors="surrogateescape")  # a latin-1 byte, as in text files: replaced, not fatal
     with pytest.raises(ValueError, match=r'd.jsonl:2: "just a string" is not an object with a \'text\' field; each '
                                          r'record must be one, such as \{"text": "..."\}'):
-        documents(D.expand_sources(path))
+        documents(S.expand_sources(path))
     path.write_text('{"text": "caf\xe9"}\n'.encode("latin-1").decode("utf-8", "surrogateescape"), errors="surrogateescape")
-    assert documents(D.expand_sources(path)) == ["caf\ufffd"]
+    assert documents(S.expand_sources(path)) == ["caf\ufffd"]
     # An unpaired surrogate escape, JSON's undecodable byte, is replaced too: it stopped the tokenizer with a TypeError.
     path.write_text('{"text": "abc \\ud800 def \\ud83d\\ude00"}\n')
-    assert documents(D.expand_sources(path)) == ["abc \ufffd def \U0001F600"]
+    assert documents(S.expand_sources(path)) == ["abc \ufffd def \U0001F600"]
     assert D.prepare_data(tmp_path / "run", path, seq_len=2, vocab_size=300, eval_fraction=0).num_tokens > 3
     # A file saved with a byte-order mark (Windows tools, utf-8-sig): the JSONL was refused, the text kept U+FEFF.
     path.write_bytes(b'\xef\xbb\xbf{"text": "x"}\n')
@@ -90,12 +91,12 @@ def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
     (tmp_path / ".hidden.txt").write_text("no")
     (tmp_path / ".git" / "x.txt").write_text("no")
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
-    assert documents(D.expand_sources(tmp_path)) == ["A", "C", "B"]
+    assert documents(S.expand_sources(tmp_path)) == ["A", "C", "B"]
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "d.txt").write_text("D")
     (tmp_path / "sub" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (tmp_path / "sub" / "loop").symlink_to(tmp_path, target_is_directory=True)  # read once, not forever
-    assert documents(D.expand_sources(tmp_path / "sub")) == ["B", "D", "A", "C"]
+    assert documents(S.expand_sources(tmp_path / "sub")) == ["B", "D", "A", "C"]
 
 
 def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
@@ -105,7 +106,7 @@ def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # no "text" field
     (run_dir / "config.toml").write_text('run_dir = "runs/r"\n')
-    assert D.expand_sources(tmp_path, skip=run_dir) == [tmp_path / "notes.txt"]
+    assert S.expand_sources(tmp_path, skip=run_dir) == [tmp_path / "notes.txt"]
     for _ in range(2):  # the second time from the caches, with the run directory's files grown
         data = D.prepare_data(run_dir, [str(tmp_path)], seq_len=8, vocab_size=260, eval_fraction=0.1)
         (run_dir / "config.toml").write_text('run_dir = "runs/r"\nseed = 1\n')
@@ -117,9 +118,9 @@ def test_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": ["one", "", "two"], "n": [1, 2, 3]}), tmp_path / "d.parquet")
-    assert documents(D.expand_sources(tmp_path), text_field="content") == ["one", "two"]
+    assert documents(S.expand_sources(tmp_path), text_field="content") == ["one", "two"]
     with pytest.raises(ValueError, match="no column 'text'"):
-        documents(D.expand_sources(tmp_path))
+        documents(S.expand_sources(tmp_path))
 
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
@@ -127,7 +128,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match="pip install pyarrow"):
-        documents(D.expand_sources(tmp_path))
+        documents(S.expand_sources(tmp_path))
 
 
 def test_hf_dataset_spec(monkeypatch):
@@ -138,7 +139,7 @@ def test_hf_dataset_spec(monkeypatch):
         return [{"text": "from hub"}, {"text": "again"}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    assert documents(D.expand_sources("hf:org/name:cfg")) == ["from hub", "again"]
+    assert documents(S.expand_sources("hf:org/name:cfg")) == ["from hub", "again"]
     assert calls == [("org/name", "cfg", "train")]
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install datasets"):
@@ -150,8 +151,8 @@ def test_long_documents_come_in_pieces_cut_between_words(tmp_path):
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "blank.txt").write_text(" \n" * 40)  # blank, and longer than a piece: skipped
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
-    sources = D.expand_sources([tmp_path / "long.txt", tmp_path / "blank.txt", tmp_path / "d.jsonl"])
-    pieces = list(D.iter_pieces(sources, max_chars=20))
+    sources = S.expand_sources([tmp_path / "long.txt", tmp_path / "blank.txt", tmp_path / "d.jsonl"])
+    pieces = list(S.iter_pieces(sources, max_chars=20))
     assert documents(sources, max_chars=20) == [text, text]
     assert all(len(piece) <= 20 for piece, _ in pieces)
     first = [piece for piece, _ in pieces[: len(pieces) // 2]]
@@ -182,9 +183,9 @@ def test_a_huge_text_file_is_read_a_piece_at_a_time(tmp_path):
 
 def test_missing_path_and_empty_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        D.expand_sources(tmp_path / "nope.txt")
+        S.expand_sources(tmp_path / "nope.txt")
     with pytest.raises(ValueError, match="no data files"):
-        D.expand_sources(tmp_path)
+        S.expand_sources(tmp_path)
 
 
 # --- tokenizer -----------------------------------------------------------------------------------
@@ -434,7 +435,7 @@ def test_a_long_document_read_in_pieces_gives_the_tokens_of_the_whole(tmp_path, 
     tok = train_bpe(make_docs(), vocab_size=300) if kind == "byte-level" else _sentencepiece_like(kind)
     text = "".join("    " * (i % 3) + doc for i, doc in enumerate(make_docs(20)))
     (tmp_path / "long.txt").write_text(text)
-    token_cache.write_tokens(D.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
+    token_cache.write_tokens(S.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
     assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == tok.encode(text) + [tok.eos_id]
 
 
@@ -649,7 +650,7 @@ def test_eval_batches_cover_held_out_in_order():
 
 
 def test_stdlib_default(tmp_path):
-    files = D.stdlib_files()
+    files = S.stdlib_files()
     assert len(files) > 100 and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
     prepared = D.prepare_data(tmp_path, seq_len=32, vocab_size=512, max_tokens=5000, tokenizer_train_chars=300_000)
     assert prepared.num_tokens == 5000 and len(prepared.train) + len(prepared.eval) == 5000 // 33

@@ -1,0 +1,223 @@
+"""Training documents: where they come from (files, directories, datasets), read and cut into pieces."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sysconfig
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence, Union
+
+from ._checks import SURROGATES
+
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+PARQUET_SUFFIXES = {".parquet"}
+# Suffixes picked up when scanning a directory; a file named directly is read whatever its suffix.
+TEXT_SUFFIXES = {
+    ".txt", ".md", ".rst", ".tex", ".html", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp",
+    ".rs", ".go", ".java", ".js", ".ts", ".sh", ".toml", ".yaml", ".yml",
+}
+HF_PREFIX = "hf:"  # "hf:NAME[:CONFIG[:SPLIT]]" is a dataset loaded with the `datasets` library
+
+Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
+
+
+def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
+    """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
+    named in `skip_dirs` and the directory `skip` skipped. Linked directories are followed, each
+    directory read once (a link back up the tree would loop)."""
+    found = []
+    skip = skip.resolve() if skip is not None else None
+    visited = {root.resolve()}
+    for parent, dirs, files in os.walk(root, followlinks=True):
+        kept = []
+        for d in sorted(dirs):  # pruned here, before os.walk goes in, in an order that does not vary
+            real = Path(parent, d).resolve()
+            if not d.startswith(".") and d not in skip_dirs and real != skip and real not in visited:
+                visited.add(real)
+                kept.append(d)
+        dirs[:] = kept
+        found += [Path(parent, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
+    return sorted(found, key=lambda f: f.relative_to(root).as_posix())
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files (no site-packages, no tests): offline default data."""
+    skip = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+    return _walk(Path(sysconfig.get_paths()["stdlib"]), {".py"}, skip)
+
+
+def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | None = None) -> list[Source]:
+    """Turn the user's data argument into a sorted list of files and dataset specs.
+
+    None means the Python standard library; a directory is scanned recursively
+    (hidden files skipped, sorted) for text, JSONL and Parquet files, leaving out the
+    directory `skip` (the run directory, whose metrics and config are not data).
+    """
+    if data is None:
+        return stdlib_files()
+    items = [data] if isinstance(data, (str, Path)) else list(data)
+    if not items:
+        raise ValueError("no data sources given; pass a path, hf:NAME, or None for the stdlib default")
+    known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+    sources: list[Source] = []
+    for item in items:
+        if isinstance(item, str) and item.startswith(HF_PREFIX):
+            sources.append(item)
+            continue
+        path = Path(item).expanduser()
+        if path.is_file():
+            sources.append(path)
+        elif path.is_dir():
+            found = _walk(path, known, skip=skip)
+            if not found:
+                raise ValueError(f"no data files under directory {path}; looked for {sorted(known)}")
+            sources.extend(found)
+        else:
+            raise FileNotFoundError(
+                f"data path {path} does not exist; give an existing file or directory, "
+                f"or {HF_PREFIX}NAME to load a dataset with the `datasets` library"
+            )
+    return sources
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        shown = json.dumps(record)
+        raise ValueError(f"{where}: {shown[:60]}{'...' if len(shown) > 60 else ''} is not an object with a {field!r} "
+                         f"field; each record must be one, such as {json.dumps({field: '...'})}")
+    if field not in record:
+        raise ValueError(f"{where}: no field {field!r}; set text_field to one of {sorted(record)}")
+    text = record[field]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+    # An unpaired surrogate escape ("\ud800", half an emoji) is JSON's undecodable byte: replaced, as those are.
+    return SURROGATES.sub("\ufffd", text) if text else ""
+
+
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:  # as text files: one odd byte cannot stop a run
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                yield _field(record, field, f"{path}:{lineno}")
+
+
+def _parquet_documents(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {field!r}; set text_field to one of {pf.schema_arrow.names}")
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{path}: column {field!r} holds {type(text).__name__}, not text")
+            yield text or ""
+
+
+def _hf_documents(spec: str, field: str) -> Iterator[str]:
+    name, config, split = (spec[len(HF_PREFIX):].split(":") + [None, None])[:3]
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"loading {spec} needs the `datasets` library: pip install datasets") from None
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+    except Exception as e:
+        raise OSError(
+            f"the `datasets` library could not load {name!r} ({type(e).__name__}: {e}); check the "
+            "name and the network, or save the data to local files and give their path"
+        ) from e
+    for i, record in enumerate(ds):
+        yield _field(record, field, f"{spec} row {i}")
+
+
+PIECE_CHARS = 1 << 20  # documents are handled in pieces of at most this many characters
+
+
+_BETWEEN_WORDS = re.compile(r"(?<=\S) (?=\S)")  # a space with a word on either side
+
+
+def _cut_at(buffer: str, max_chars: int) -> int:
+    """Where a piece of `buffer` ends: before its last space between two words (in its last 4096
+    characters), where byte-level BPE, SentencePiece-style and whitespace pre-tokenizers all end a
+    token, so the pieces tokenize as the whole does; else after its last newline; else at `max_chars`."""
+    spaces = list(_BETWEEN_WORDS.finditer(buffer, max(1, max_chars - 4096), max_chars + 1))
+    if spaces:
+        return spaces[-1].start()
+    return buffer.rfind("\n", 0, max_chars) + 1 or max_chars
+
+
+def _cut(read: Callable[[int], str], max_chars: int) -> Iterator[tuple[str, bool]]:
+    """One document as (text, ends_document) pieces of at most `max_chars`, cut by `_cut_at`;
+    `read(n)` gives up to n more characters, "" at the end."""
+    buffer = read(max_chars + 1)
+    while len(buffer) > max_chars:
+        cut = _cut_at(buffer, max_chars)
+        yield buffer[:cut], False
+        buffer = buffer[cut:]
+        buffer += read(max_chars + 1 - len(buffer))
+    yield buffer, True
+
+
+def _reader(text: str) -> Callable[[int], str]:
+    position = 0
+
+    def read(n: int) -> str:
+        nonlocal position
+        piece = text[position : position + n]
+        position += len(piece)
+        return piece
+
+    return read
+
+
+def _without_blank_start(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
+    """A document's pieces from its first non-blank one on: a blank document yields nothing."""
+    started = False
+    for text, ends in pieces:
+        started = started or bool(text.strip())
+        if started:
+            yield text, ends
+
+
+def iter_pieces(sources: Iterable[Source], text_field: str = "text",
+                max_chars: int = PIECE_CHARS) -> Iterator[tuple[str, bool]]:
+    """Every non-blank document, in order, as (text, ends_document) pieces of at most `max_chars`
+    characters: a whole text file is one document, a JSONL line one, a Parquet row one...
+
+    A text file is read a piece at a time, so memory stays bounded whatever its size. Text files
+    are decoded as UTF-8 (a byte-order mark at the start dropped) with undecodable bytes replaced,
+    so one odd file cannot stop a long run.
+    """
+    for src in sources:
+        if isinstance(src, str):
+            docs = _hf_documents(src, text_field)
+        elif src.suffix.lower() in JSONL_SUFFIXES:
+            docs = _jsonl_documents(src, text_field)
+        elif src.suffix.lower() in PARQUET_SUFFIXES:
+            docs = _parquet_documents(src, text_field)
+        else:  # a text file: one document, read from the file a piece at a time
+            with open(src, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM is no text
+                yield from _without_blank_start(_cut(f.read, max_chars))
+            continue
+        for doc in docs:
+            yield from _without_blank_start(_cut(_reader(doc), max_chars))
+
+
+def source_key(sources: list[Source], text_field: str) -> dict:
+    """What identifies the data for the token cache: paths with size and mtime, dataset specs."""
+    def one(src: Source):
+        if isinstance(src, str):
+            return src
+        stat = src.stat()
+        return [str(src.resolve()), stat.st_size, stat.st_mtime_ns]
+
+    return {"sources": [one(s) for s in sources], "text_field": text_field}
