@@ -27,7 +27,7 @@ from pipeline_parallel.export import export, keep_run_tokenizer, load_full_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.tokenizer import load_tokenizer
-from pipeline_parallel.train import Trainer
+from pipeline_parallel.trainer import Trainer
 
 
 def hf_cfg(run_dir, corpus, hf_dir, **overrides):
@@ -510,7 +510,7 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
     """The skip's advice named the damaged checkpoint itself as the one to export."""
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 2, "eval.interval": 0, "checkpoint.interval": 1,
                                                  "export.at_end": True, "export.sample_tokens": 0})
-    import pipeline_parallel.train as train_module
+    import pipeline_parallel.trainer as trainer_module
 
     def damaging_export(checkpoint, *args, **kwargs):
         shard = next(checkpoint.glob("*.distcp"))
@@ -519,7 +519,7 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
         shard.write_bytes(data)
         return export(checkpoint, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "export", damaging_export)
+    monkeypatch.setattr(trainer_module, "export", damaging_export)
     Trainer(cfg).fit()
     out = capsys.readouterr().out
     ckpt_dir = tmp_path / "run" / "checkpoints"
