@@ -21,8 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, differences
-from ._files import atomic_write, fsync_dir
+from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, _commit, _damaged, _differences, _read_meta,
+                               _require_complete, _save_order, _step_dirs, is_checkpoint, latest_checkpoint, read_extra)
+from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
+from ._files import atomic_write
 from .comm import PipeComm
 
 __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
@@ -30,32 +32,11 @@ __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
-LATEST = "latest"  # text file naming the newest complete checkpoint
-META = "meta.json"  # step, world size, the caller's `extra`, the size and SHA-256 of every other file
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
 _STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 # Flattened optimizer state is keyed by parameter FQN ("state.<fqn>.exp_avg",
 # "param_groups.<fqn>.lr"), so any pipeline split can load any other split's.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class DamagedCheckpointError(ValueError):
-    """A checkpoint that cannot be used as it was saved (`why`); `earlier` is the newest other one that can (None:
-    none is left), which the message names to use instead."""
-
-    def __init__(self, path: Path, why: str, earlier: Path | None):
-        super().__init__(path, why, earlier)  # its arguments, so that it pickles (from one process to another)
-        self.path, self.why, self.earlier = path, why, earlier
-
-    def __str__(self) -> str:
-        return self.advising(lambda earlier: f"use an earlier one, such as {earlier}")
-
-    def advising(self, use: Callable[[Path], str]) -> str:
-        """The message, saying how to use the earlier checkpoint: `use(its path)`, say a command that takes it."""
-        instead = use(self.earlier) if self.earlier else "no earlier one is left"
-        return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 
 def _distributed() -> bool:
@@ -119,99 +100,12 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """Publish a fully written checkpoint: rename it into place, then move `latest`."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # re-saving a step after resuming from an older checkpoint
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    atomic_write(final.parent / LATEST, final.name + "\n")
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _shortened(text: str, most: int = 300) -> str:
     """`text` cut to about `most` characters at the end of a sentence, for an error message."""
     if len(text) <= most:
         return text
     cut = text[:most]
     return cut[: cut.rfind(". ") + 1] if ". " in cut else cut.rstrip() + "..."
-
-
-def _missing_parts(path: Path) -> list[str]:
-    """The files of a complete checkpoint that `path` lacks (none: it is complete)."""
-    return [name for name in (".metadata", META) if not (path / name).is_file()]
-
-
-def _is_complete(path: Path) -> bool:
-    return not _missing_parts(path)
-
-
-def _require_complete(path: Path) -> None:
-    missing = _missing_parts(path)
-    if missing:
-        what = (f"is not a complete checkpoint (it lacks {' and '.join(missing)})" if path.exists()
-                else "does not exist")
-        raise FileNotFoundError(f"{path} {what}; pass a directory returned by latest_checkpoint()")
-
-
-def _step_dirs(ckpt_dir: Path) -> list[Path]:
-    """Published checkpoint directories, oldest step first.
-
-    `step_N.old` stands for step N while `step_N` is missing: `_commit` crashed between
-    moving a re-saved step aside and renaming its replacement into place.
-    """
-    if not ckpt_dir.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    for path in ckpt_dir.iterdir():
-        if m := _STEP_DIR.match(path.name):
-            step = int(m[1])
-            found[step] = found.get(step, path) if m[2] else path
-    return [found[step] for step in sorted(found)]
-
-
-def _meta(path: Path) -> dict:
-    """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`; a ValueError if
-    it is not JSON."""
-    return json.loads((path / META).read_text())
-
-
-def _read_meta(path: Path) -> dict:
-    """`_meta`, where a meta.json that is not JSON makes the checkpoint damaged."""
-    try:
-        return _meta(path)
-    except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
-        raise _damaged(path, f"its {META} cannot be read: {e}") from None
-
-
-def _damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
-    """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
-    is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where the
-    ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
-    others = sorted((p for p in _step_dirs(path.parent) if p != path), key=_save_order, reverse=True)
-    if comm is None:
-        return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
-    others = comm.all_gather_object(others)[0]
-    return DamagedCheckpointError(path, why, next((p for p in others if _intact(p, comm)), None))
-
-
-def _differences(path: Path, comm: PipeComm) -> list[str]:
-    """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
-    every rank of `comm`, which all call it: each hashes its share of the files."""
-    mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
-    try:
-        mine += differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
-    except (OSError, ValueError) as e:
-        mine += [f"its {META} cannot be read: {e}"]
-    return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
-
-
-def _intact(path: Path, comm: PipeComm) -> bool:
-    """Whether checkpoint `path` is complete and its files are as saved, alike on every rank of `comm`, which all
-    call it."""
-    return not _differences(path, comm)
 
 
 def _alike(fn: Callable[[], Any], comm: PipeComm) -> Any:
@@ -264,18 +158,6 @@ def _listed(problems: list[str], most: int = 3) -> str:
     """The first `most` of `problems`, and how many more, for an error message."""
     more = len(problems) - most
     return "; ".join(problems[:most]) + (f"; and {more} more" if more > 0 else "")
-
-
-def _save_order(path: Path) -> tuple[int, int]:
-    """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
-    before save numbers (-1) count as older than any numbered one, in step order among themselves."""
-    try:  # not _read_meta: its error names another checkpoint, found by this order
-        meta = _meta(path)
-    except (OSError, ValueError):
-        meta = {}
-    order = meta.get("save_order", -1) if isinstance(meta, dict) else -1
-    step = int(_STEP_DIR.match(path.name)[1])
-    return (order if isinstance(order, int) else -1, step)
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module,
@@ -353,40 +235,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         for path in older[: max(0, len(older) - (keep_last - 1))]:
             shutil.rmtree(path, ignore_errors=True)
     return final
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """Return the checkpoint under `run_dir/checkpoints` to resume from, or None.
-
-    Follows the `latest` pointer: after a crash between a save's rename and the pointer update it
-    still names the previous checkpoint, which is complete (the steps since are trained again). If
-    the pointer is missing or names no checkpoint directory, the most recently saved complete one.
-    A named directory that lacks a part was damaged after it was published: that raises, naming an
-    earlier checkpoint, rather than silently going back to it.
-    """
-    ckpt_dir = Path(run_dir) / CHECKPOINTS
-    try:
-        named = ckpt_dir / (ckpt_dir / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):  # no pointer (or no readable one): the newest complete checkpoint
-        named = None
-    if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
-        missing = _missing_parts(named)
-        if missing:  # published whole, so a part missing now is damage, not a crash mid-save
-            raise _damaged(named, f"it lacks {' and '.join(missing)}")
-        return named
-    complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
-    return max(complete, key=_save_order) if complete else None
-
-
-def is_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` is a complete checkpoint directory (not a run directory, not a half-written save)."""
-    return _is_complete(Path(path))
-
-
-def read_extra(path: str | os.PathLike) -> dict:
-    """The `extra` a checkpoint was saved with, without loading any tensor."""
-    _require_complete(Path(path))
-    return _read_meta(Path(path))["extra"]
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,

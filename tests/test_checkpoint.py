@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline_parallel import _checkpoint_dirs as ckpt_dirs
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel.checkpoint import (
     UnsafeCheckpointError,
@@ -664,8 +665,8 @@ def _older_incomplete_on_rank_1(rank, world_size, run_dir):
             unrecord(path)
         _flip_a_byte(paths[2] / "__1_0.distcp")
     if rank == 1:
-        missing_parts = ckpt._missing_parts
-        ckpt._missing_parts = lambda path: [".metadata"] if path == paths[1] else missing_parts(path)
+        missing_parts = ckpt_dirs._missing_parts
+        ckpt_dirs._missing_parts = lambda path: [".metadata"] if path == paths[1] else missing_parts(path)
     torch.distributed.barrier()
     try:
         load_checkpoint(paths[2], make_stage(rank, world_size, seed=1), None)
