@@ -1,4 +1,4 @@
-"""A run's checkpoints directory: its step directories, which are complete and intact, and the one to resume from."""
+"""A run's checkpoints directory: saves published and rotated out, which are complete and intact, which is latest."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
 LATEST = "latest"  # text file naming the newest complete checkpoint
 META = "meta.json"  # step, world size, the caller's `extra`, the size and SHA-256 of every other file
 _STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
+_STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 
 
 class DamagedCheckpointError(ValueError):
@@ -36,6 +37,22 @@ class DamagedCheckpointError(ValueError):
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 
+def _clear_leftovers(ckpt_dir: Path) -> None:
+    """Drop the leftovers of crashed saves in `ckpt_dir`, which are never loadable."""
+    for path in _step_dirs(ckpt_dir):  # but a step a crashed re-save moved aside is still published
+        if path.suffix == ".old":
+            os.replace(path, path.with_suffix(""))
+    for path in ckpt_dir.iterdir():
+        if _STALE_DIR.match(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _next_save_order(ckpt_dir: Path) -> int:
+    """The save number of the next checkpoint in `ckpt_dir`: after every published one's, so that rotation goes by
+    when, not by step."""
+    return max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
+
+
 def _commit(tmp: Path, final: Path) -> None:
     """Publish a fully written checkpoint: rename it into place, then move `latest`."""
     old = final.with_name(final.name + ".old")
@@ -46,6 +63,21 @@ def _commit(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     atomic_write(final.parent / LATEST, final.name + "\n")
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
+    """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved, of `step`) among them.
+
+    A step later than this one belongs to a run this one abandoned by resuming from an older
+    step: those go first, then the least recently saved.
+    """
+    def abandoned_first(path: Path) -> tuple:
+        order = _save_order(path)  # (save number, step)
+        return order[1] < step, order
+
+    older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=abandoned_first)
+    for path in older[: max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _missing_parts(path: Path) -> list[str]:

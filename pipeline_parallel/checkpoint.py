@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import pickle
-import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -21,8 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, _commit, _damaged, _differences, _read_meta,
-                               _require_complete, _save_order, _step_dirs, is_checkpoint, latest_checkpoint, read_extra)
+from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, _clear_leftovers, _commit, _damaged,
+                               _differences, _next_save_order, _read_meta, _require_complete, _rotate, is_checkpoint,
+                               latest_checkpoint, read_extra)
 from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from ._files import atomic_write
 from .comm import PipeComm
@@ -33,7 +32,6 @@ __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-_STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 # Flattened optimizer state is keyed by parameter FQN ("state.<fqn>.exp_avg",
 # "param_groups.<fqn>.lr"), so any pipeline split can load any other split's.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -191,18 +189,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     final = ckpt_dir / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
 
-    def prepare() -> None:  # leftovers of crashed saves are never loadable: drop them
+    def prepare() -> None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for path in _step_dirs(ckpt_dir):  # but a step a crashed re-save moved aside is still published
-            if path.suffix == ".old":
-                os.replace(path, path.with_suffix(""))
-        for path in ckpt_dir.iterdir():
-            if _STALE_DIR.match(path.name):
-                shutil.rmtree(path, ignore_errors=True)
+        _clear_leftovers(ckpt_dir)
         tmp.mkdir()
 
-    def publish() -> None:  # numbered after every published checkpoint: rotation goes by when, not by step
-        order = max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
+    def publish() -> None:
+        order = _next_save_order(ckpt_dir)
         atomic_write(tmp / META, json.dumps({**meta, "save_order": order, "files": files}, indent=1))
         _commit(tmp, final)
 
@@ -225,15 +218,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         files |= written
     _on_rank0(publish, comm, f"publish {final}")
     if rank == 0 and keep_last > 0:
-        # A step later than this one belongs to a run this one abandoned by resuming from an older
-        # step: those go first, then the least recently saved.
-        def abandoned_first(path: Path) -> tuple:
-            order = _save_order(path)  # (save number, step)
-            return order[1] < step, order
-
-        older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=abandoned_first)
-        for path in older[: max(0, len(older) - (keep_last - 1))]:
-            shutil.rmtree(path, ignore_errors=True)
+        _rotate(ckpt_dir, final, step, keep_last)
     return final
 
 
