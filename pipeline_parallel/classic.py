@@ -85,7 +85,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     tied_weight = tied_weight_end(model, num_stages, first, last)
     if tied_weight is not None:  # the ranks' models may have been initialised apart: the head takes the embedding
         comm.share_from_first_(tied_weight.data, first)
-    loss = run_step(program, stage, comm, step, tied_weight)
+    loss = run_step(program, {stage.stage_idx: stage}, comm, step, tied_weight)
     return loss if last else None
 
 

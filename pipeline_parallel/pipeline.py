@@ -198,7 +198,7 @@ class Pipeline:
             self.program = self._program(self.config, self.layer_counts, info.seq_len)
         program = self.program if training else self._eval_program
         start = time.perf_counter()
-        loss = run_step(program, self.stage, self.comm, step, self._tied_weight)
+        loss = run_step(program, {self.stage_idx: self.stage}, self.comm, step, self._tied_weight)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
 

@@ -194,9 +194,10 @@ def _check_activation(out: torch.Tensor, step: StepData, action: Action) -> None
 
 
 def run_step(
-    program: list[Action], stage: PipelineStage, comm: PipeComm, step: StepData, tied_weight=None
+    program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData, tied_weight=None
 ) -> float:
-    """One step on this rank: run the program, finish the gradients of tied weights, and agree on the outcome.
+    """One step on this rank: run the program on its stages (by stage_idx; several where a schedule deals
+    more than one stage to a rank), finish the gradients of tied weights, and agree on the outcome.
 
     `tied_weight` is the embedding/LM-head matrix when the model ties them and they live on
     different ranks (first and last): each end adds the other's gradient of this step, so both
@@ -206,28 +207,31 @@ def run_step(
     rank raises (the failing one its own error) once all transfers of the step are done, so none
     is left waiting and the next step starts clean.
     """
+    holds_first = any(stage.is_first for stage in stages.values())
+    holds_last = any(stage.is_last for stage in stages.values())
     tied = tied_weight is not None and step.training
     frozen = tied and not tied_weight.requires_grad  # then, as on one process, its .grad stays as it was
     accumulated = tied_weight.grad if tied else None
     if tied:
         tied_weight.grad = None  # this step's part alone is exchanged
     try:
-        error = run_program(program, {stage.stage_idx: stage}, comm, step)
+        error = run_program(program, stages, comm, step)
         if tied:
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
-            comm.exchange_add_(this_step, comm.pp_size - 1 if stage.is_first else 0)
+            comm.exchange_add_(this_step, comm.pp_size - 1 if holds_first else 0)
             if frozen:
                 tied_weight.grad = accumulated
             else:
                 tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
     except BaseException:  # a transfer failed (or an interrupt): the pipeline cannot finish the step
-        stage.clear()
+        for stage in stages.values():
+            stage.clear()
         raise
     # [loss, failed ranks, frozen ends of a tied weight], summed
     outcome = torch.zeros(3, dtype=torch.float64, device=comm.device)
     if error is not None:
         outcome[1] = 1
-    elif stage.is_last:
+    elif holds_last:
         outcome[0] = torch.stack(step.losses).sum().detach()
     outcome[2] = frozen
     loss, failed, frozen_ends = comm.all_reduce(outcome).tolist()
