@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 from ._checks import SURROGATES
+from .token_cache import CACHE_PATTERN
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet"}
@@ -23,10 +24,11 @@ HF_PREFIX = "hf:"  # "hf:NAME[:CONFIG[:SPLIT]]" is a dataset loaded with the `da
 Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
 
 
-def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
+def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None,
+          skip_runs: bool = False) -> list[Path]:
     """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
-    named in `skip_dirs` and the directory `skip` skipped. Linked directories are followed, each
-    directory read once (a link back up the tree would loop)."""
+    named in `skip_dirs`, the directory `skip` and (with `skip_runs`) training runs' directories skipped.
+    Linked directories are followed, each directory read once (a link back up the tree would loop)."""
     found = []
     skip = skip.resolve() if skip is not None else None
     visited = {root.resolve()}
@@ -34,12 +36,19 @@ def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), sk
         kept = []
         for d in sorted(dirs):  # pruned here, before os.walk goes in, in an order that does not vary
             real = Path(parent, d).resolve()
-            if not d.startswith(".") and d not in skip_dirs and real != skip and real not in visited:
+            if (not d.startswith(".") and d not in skip_dirs and real != skip and real not in visited
+                    and not (skip_runs and _is_run_dir(real))):
                 visited.add(real)
                 kept.append(d)
         dirs[:] = kept
         found += [Path(parent, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
     return sorted(found, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Whether `path` is a training run's directory (it holds token caches): its config, metrics and tokenizer are
+    what training wrote, not data."""
+    return any(path.glob(CACHE_PATTERN))
 
 
 def stdlib_files() -> list[Path]:
@@ -53,7 +62,8 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | 
 
     None means the Python standard library; a directory is scanned recursively
     (hidden files skipped, sorted) for text, JSONL and Parquet files, leaving out the
-    directory `skip` (the run directory, whose metrics and config are not data).
+    directory `skip` (this run's directory, whose metrics and config are not data, before it
+    holds token caches) and every directory of a run (one that holds token caches).
     """
     if data is None:
         return stdlib_files()
@@ -70,7 +80,7 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | 
         if path.is_file():
             sources.append(path)
         elif path.is_dir():
-            found = _walk(path, known, skip=skip)
+            found = _walk(path, known, skip=skip, skip_runs=True)
             if not found:
                 raise ValueError(f"no data files under directory {path}; looked for {sorted(known)}")
             sources.extend(found)

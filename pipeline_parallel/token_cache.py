@@ -19,6 +19,7 @@ from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+CACHE_PATTERN = "tokens-*.bin"  # the token caches in a run directory; what marks a directory as a run's
 CACHE_VERSION = 2  # bump when what a token file holds changes (2: the tokenizer's own BOS, markers as text)
 # What this program makes of a text: a new version when the same text and tokenizer give other tokens, with what
 # changed (sources.PIECE_CHARS is the million). It is recorded with each cache and checkpoint, so that a resume tells a
@@ -199,7 +200,7 @@ def cached_tokens(
     key = {"version": CACHE_VERSION, "source": source_key, "max_tokens": max_tokens, "tokenizer": tokenizer.fingerprint()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     dtype = token_dtype(tokenizer)
-    path = Path(run_dir) / f"tokens-{digest}.{np.dtype(dtype).name}.bin"
+    path = Path(run_dir) / CACHE_PATTERN.replace("*", f"{digest}.{np.dtype(dtype).name}")
     damage = _damage(path, dtype) if path.is_file() else None
     if damage:
         logger.warning("token cache %s is damaged (%s): tokenizing the data again", path, damage)

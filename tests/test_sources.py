@@ -84,6 +84,22 @@ def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
     assert data.num_tokens == len(data.tokenizer.encode("the text to learn. " * 40)) + 1
 
 
+
+def test_other_runs_directories_inside_the_data_directory_are_not_data(tmp_path):
+    """Only this run's directory was left out: a second run on the same directory read the first run's config as
+    text, and its metrics.jsonl stopped the data preparation ("no field 'text'")."""
+    (tmp_path / "notes.txt").write_text("the text to learn. " * 40)
+    first = tmp_path / "runs" / "first"
+    D.prepare_data(first, [str(tmp_path)], seq_len=8, vocab_size=260, eval_fraction=0.1)
+    (first / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # what the first run went on to write
+    (first / "config.toml").write_text('run_dir = "runs/first"\n')
+    assert S.expand_sources(tmp_path) == [tmp_path / "notes.txt"]
+    second = D.prepare_data(tmp_path / "runs" / "second", [str(tmp_path)], seq_len=8, vocab_size=260,
+                            eval_fraction=0.1)
+    assert second.num_tokens == len(second.tokenizer.encode("the text to learn. " * 40)) + 1
+    (tmp_path / "runs" / "more.txt").write_text("beside the runs")  # runs/ itself holds no token caches: read
+    assert S.expand_sources(tmp_path) == [tmp_path / "notes.txt", tmp_path / "runs" / "more.txt"]
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
