@@ -44,7 +44,8 @@ def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tu
     return list(plan[comm.pp_rank])
 
 
-@functools.lru_cache(maxsize=256)
+# Typed: 2.0 == 2 and True == 1 hash alike, and a hit must not hand back a plan build_schedule would refuse them.
+@functools.lru_cache(maxsize=256, typed=True)
 def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split) -> tuple:
     return tuple(map(tuple, build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch,
                                            forward_only=forward_only, stage_costs=list(costs), split=split)))

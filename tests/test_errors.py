@@ -170,6 +170,11 @@ PIPELINE_CASES = {
                           r"num_microbatches must be an integer >= 1, got 0"),
     "microbatches-negative": (lambda r, w, g: _pipe(g, num_microbatches=-1), ValueError,
                               r"num_microbatches must be an integer >= 1, got -1"),
+    # a value equal to one planned before (2.0 == 2, True == 1) took that plan from the cache unchecked
+    "microbatches-float-after-a-plan": (lambda r, w, g: (_pipe(g), _pipe(g, num_microbatches=2.0)), ValueError,
+                                        r"num_microbatches must be an integer >= 1, got 2.0"),
+    "split-bool-after-a-plan": (lambda r, w, g: (_pipe(g, split=1), _pipe(g, split=True)), ValueError,
+                                r"split must be an integer >= 0 .*got True"),
     "layout-linear": (lambda r, w, g: pp.Pipeline(nn.Linear(4, 4), device="cpu", group=g), (TypeError, ValueError),
                       r"Linear is not a supported decoder-only causal LM.*LlamaForCausalLM"),
     "layout-gpt2": (lambda r, w, g: pp.Pipeline(_gpt2(), device="cpu", group=g), (TypeError, ValueError),
@@ -578,7 +583,8 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
 
 SINGLE = [
     "vocab-beyond-embedding", "classic-vocab-beyond-embedding",
-    "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "layout-linear", "layout-gpt2",
+    "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
+    "split-bool-after-a-plan", "layout-linear", "layout-gpt2",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",
