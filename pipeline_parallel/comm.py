@@ -18,10 +18,13 @@ def usable_device(device) -> tuple[torch.device, str | None]:
     ranks to agree on, and why `device` cannot be used (each rank reports it before any transfer)."""
     try:
         torch.empty(0, device=torch.device(device))
-        return torch.device(device), None
     except (TypeError, RuntimeError, AssertionError) as e:
         return default_device(), (f"device {str(device)!r} cannot be used on this machine ({e}); pass a device "
                                   "such as 'cpu' or 'cuda:0'")
+    if torch.device(device).type == "meta":  # moving the model there would drop its weights; no transfer works
+        return default_device(), ("device 'meta' cannot be used: a tensor there holds no values, so the model's "
+                                  "weights would be lost; pass a device such as 'cpu' or 'cuda:0'")
+    return torch.device(device), None
 
 
 def device_backends(group) -> dict[str, str]:

@@ -224,6 +224,9 @@ PIPELINE_CASES = {
     "mismatch-seed": (lambda r, w, g: _pipe(g, seed=r), ValueError, r"ranks disagree on 'seed'"),
     "device-unusable-on-the-last-rank": (lambda r, w, g: _pipe(g, device="cuda:99" if r == w - 1 else "cpu"),
                                          ValueError, r"device 'cuda:99' cannot be used on this machine"),
+    # meta tensors hold no values: the model was moved there (its weights lost), then the step failed in torch
+    "device-meta": (lambda r, w, g: _pipe(g, device="meta").step(X, Y), ValueError,
+                    r"device 'meta' cannot be used: .*holds no values.*pass a device such as 'cpu'"),
     "step-on-rank-0-evaluate-on-rank-1": (lambda r, w, g: (lambda p: (p.evaluate if r else p.step)(X, Y))(_pipe(g)),
                                           ValueError, r"the pipeline ranks are in different calls: step\(\) on rank 0, "
                                           r"evaluate\(\) on rank 1.*; every rank must make the same calls in the "
@@ -331,6 +334,15 @@ def _classic(inputs=None, targets=None, layers=4, api=pp.train_step_pipeline_1f1
     return api(model if model is not None else build("llama", layers), inputs, targets, device, dtype)
 
 
+def _classic_keeps_weights(**kwargs):
+    """`_classic`, and an AssertionError if the call raised after moving the model's weights off their values."""
+    model = build("llama", 4)
+    try:
+        return _classic(model=model, **kwargs)
+    finally:
+        assert not any(p.is_meta for p in model.parameters()), "the model's weights were lost to the meta device"
+
+
 def _one_layer_less(model):
     model.model.layers = model.model.layers[:-1]
     return model
@@ -384,6 +396,9 @@ CLASSIC_CASES = {
                                            (TypeError, ValueError), r"GPT2LMHeadModel is not a supported decoder-only"),
     "classic-device-unusable-on-the-last-rank": (lambda r, w, g: _classic(device="cuda:99" if r == w - 1 else "cpu"),
                                                  ValueError, r"device .*cuda:99.* cannot be used on this machine"),
+    "classic-device-meta-on-the-last-rank": (lambda r, w, g: _classic_keeps_weights(device="meta" if r == w - 1
+                                                                             else "cpu"), ValueError,
+                                             r"device 'meta' cannot be used: .*holds no values"),
     "classic-zero-dim-microbatch": (lambda r, w, g: _classic([XS[0], torch.tensor(3)], [YS[0], torch.tensor(3)]),
                                     ValueError, r"every element of inputs must be shaped \[microbatch, seq_len\], "
                                     r"got one shaped \(\)"),
@@ -589,7 +604,7 @@ SINGLE = [
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",
     "classic-microbatch-shapes", "classic-not-a-list", "classic-bad-targets", "classic-microbatch-all-ignored",
-    "classic-gpt2", "classic-device-unusable-on-the-last-rank", "classic-zero-dim-microbatch", "classic-integer-dtype",
+    "classic-gpt2", "classic-device-unusable-on-the-last-rank", "classic-device-meta-on-the-last-rank", "device-meta", "classic-zero-dim-microbatch", "classic-integer-dtype",
 ]
 
 
