@@ -213,7 +213,9 @@ class Pipeline:
         except (AttributeError, KeyError, IndexError) as e:
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
-        replaced = [name for (name, was), (_, is_) in zip(self.stage.parts.named_modules(), modules) if was is not is_]
+        # By name: a part set to None drops out of `modules`, which would shift every later name.
+        now = dict(modules)
+        replaced = [name for name, was in self.stage.parts.named_modules() if now.get(name) is not was]
         if replaced:
             return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
                     "would go on running the old one; change the whole model before building the Pipeline from it")

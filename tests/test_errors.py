@@ -79,6 +79,15 @@ def _replaced_head(group, replace: bool):
     return pipe
 
 
+def _removed_after(group, remove: bool, path: str):
+    """A Pipeline whose model had the module at `path` (e.g. "model.rotary_emb") set to None since."""
+    pipe = _pipe(group)
+    if remove:
+        owner, _, name = path.rpartition(".")
+        setattr(pipe.model.get_submodule(owner), name, None)
+    return pipe
+
+
 def _plain_config_model(vocab: int):
     """Our Llama whose config is a plain object (not a Hugging Face config, not a dataclass)."""
     model = build("own", 4, vocab=vocab)
@@ -210,6 +219,12 @@ PIPELINE_CASES = {
     "module-replaced-after-construction": (lambda r, w, g: _replaced_head(g, r == w - 1).step(X, Y), ValueError,
                                            r"pipeline rank \d: lm_head of the model was replaced after the Pipeline "
                                            r"was built, and the stage would go on running the old one"),
+    # a part set to None went unnoticed at the end of the stage's list, and shifted the names of the rest
+    "head-removed-after-construction": (lambda r, w, g: _removed_after(g, r == w - 1, "lm_head").step(X, Y), ValueError,
+                                        r"pipeline rank \d: lm_head of the model was replaced after the Pipeline"),
+    "rotary-removed-after-construction": (lambda r, w, g: _removed_after(g, r == w - 1, "model.rotary_emb").step(X, Y),
+                                          ValueError, r"pipeline rank \d: model.rotary_emb of the model was replaced "
+                                          r"after the Pipeline"),
     "dtype-changed-after-construction": (lambda r, w, g: _converted_after(g).step(X, Y), ValueError,
                                          r"pipeline rank 0: the model's parameter dtypes changed after the Pipeline "
                                          r"was built \(model.embed_tokens.weight: torch.float32 -> torch.bfloat16\)"),
