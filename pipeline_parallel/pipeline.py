@@ -107,6 +107,7 @@ class Pipeline:
             if device_error:
                 raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
+            seed = check_int("seed", seed, minimum=0, hint=" (weights a model on meta gets are drawn from it)")
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
             dtypes, tied = _parameter_dtypes(model), is_tied(model)

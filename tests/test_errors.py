@@ -162,6 +162,8 @@ PIPELINE_CASES = {
                   r"split must be an integer >= 0 \(how many of each rank's last backwards .*got 'all'"),
     "seq-len-zero": (lambda r, w, g: _pipe(g, seq_len=0), ValueError,
                      r"seq_len must be an integer >= 1 \(the sequence length to balance the stages for\), got 0"),
+    "seed-none": (lambda r, w, g: _pipe(g, seed=None), ValueError,
+                  r"seed must be an integer >= 0 \(weights a model on meta gets are drawn from it\), got None"),
     "schedule-none": (lambda r, w, g: _pipe(g, schedule=None), ValueError,
                       r"unknown schedule None; choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,
@@ -613,7 +615,7 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
 
 SINGLE = [
     "vocab-beyond-embedding", "classic-vocab-beyond-embedding",
-    "unknown-schedule", "schedule-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
+    "unknown-schedule", "schedule-none", "seed-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
     "split-bool-after-a-plan", "layout-linear", "layout-gpt2",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
