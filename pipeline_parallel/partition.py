@@ -53,8 +53,11 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     if costs is None:  # the even split: earlier stages take the remainder
         return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
+    # In units of the largest cost, so that sums of costs near the float maximum do not overflow to inf.
+    unit = max(costs.layer, costs.embedding, costs.head)
+
     def stage_cost(first: int, last: int, stage: int) -> float:
-        return _stage_cost(last - first, stage, num_stages, costs)
+        return _stage_cost(last - first, stage, num_stages, costs, unit)
 
     # best[s][n]: (max stage cost, counts) for the first n layers over stages 0..s-1.
     inf = float("inf")
@@ -82,12 +85,12 @@ def stage_costs(layer_counts: list[int], costs: StageCosts) -> list[float]:
     return [_stage_cost(count, stage, len(layer_counts), costs) for stage, count in enumerate(layer_counts)]
 
 
-def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: StageCosts) -> float:
-    cost = num_layers * costs.layer
+def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: StageCosts, unit: float = 1.0) -> float:
+    cost = num_layers * (costs.layer / unit)
     if stage == 0:
-        cost += costs.embedding
+        cost += costs.embedding / unit
     if stage == num_stages - 1:
-        cost += costs.head
+        cost += costs.head / unit
     return cost
 
 

@@ -93,6 +93,16 @@ def test_huge_head_still_leaves_one_layer_per_stage():
     assert counts[-1] == 1 and min(counts) >= 1 and sum(counts) == 6, counts
 
 
+@pytest.mark.parametrize("costs", [
+    StageCosts(layer=1e308, embedding=1e308, head=1e308), StageCosts(layer=1e308), StageCosts(layer=1e308, head=1e308),
+])
+def test_costs_whose_sums_overflow_still_give_the_balanced_split(costs):
+    """Costs near the float maximum summed to inf: every split looked equally unreachable, and the
+    result was [] (no stage) or an arbitrary split instead of the one of the same costs scaled down."""
+    scaled = StageCosts(layer=costs.layer / 1e300, embedding=costs.embedding / 1e300, head=costs.head / 1e300)
+    assert balanced_layer_counts(8, 4, costs) == balanced_layer_counts(8, 4, scaled)
+
+
 @pytest.mark.parametrize("layers, stages", [(2, 4), (1, 2), (7, 8)])
 def test_more_stages_than_layers_is_a_clear_error(layers, stages):
     with pytest.raises(ValueError, match=rf"cannot split {layers} decoder layers into {stages}.*at most {layers}"):
