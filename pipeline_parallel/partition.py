@@ -29,15 +29,21 @@ def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
     embedding is a lookup: nearly free, but not zero, so ties put it with fewer layers.
     """
     check_int("seq_len", seq_len)
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
+    hidden, heads = _size(config, "hidden_size"), _size(config, "num_attention_heads")
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     attention_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o and k, v
-    mlp_weights = 3 * hidden * config.intermediate_size  # gate, up, down
+    mlp_weights = 3 * hidden * _size(config, "intermediate_size")  # gate, up, down
     attention_scores = 2 * heads * head_dim * seq_len // 2  # QK^T and AV, causal half
     layer = attention_weights + mlp_weights + attention_scores
-    return StageCosts(layer=float(layer), embedding=float(hidden), head=float(hidden * config.vocab_size))
+    return StageCosts(layer=float(layer), embedding=float(hidden), head=float(hidden * _size(config, "vocab_size")))
+
+
+def _size(config, name: str) -> int:
+    """A size of the model config, checked here: a missing, zero or negative one would fail in the
+    arithmetic, far from its name, or give a cost silently wrong."""
+    return check_int(f"config.{name}", getattr(config, name, None),
+                     hint=" (estimate_costs reads a model config such as a Hugging Face one)")
 
 
 def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | None = None) -> list[int]:

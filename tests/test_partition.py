@@ -123,6 +123,21 @@ def test_a_sequence_length_below_one_is_an_error():
             estimate_costs(config, seq_len=bad)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("num_attention_heads", None), ("num_attention_heads", 0), ("hidden_size", "64"), ("vocab_size", None),
+    ("intermediate_size", -128),
+])
+def test_a_config_lacking_a_size_is_a_clear_error(field, value):
+    """A missing field was an AttributeError, zero heads a ZeroDivisionError, a string size a TypeError, and
+    a negative one a smaller cost, taken silently."""
+    fields = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100)
+    config = SimpleNamespace(**{**fields, field: value})
+    if value is None:
+        delattr(config, field)
+    with pytest.raises(ValueError, match=rf"config\.{field} must be an integer >= 1 .*, got {value!r}"):
+        estimate_costs(config)
+
+
 def test_check_layer_counts_accepts_valid_counts():
     assert check_layer_counts([3, 1], 4, 2) == [3, 1]
     assert check_layer_counts((1, 2, 2, 1), 6, 4) == [1, 2, 2, 1]
