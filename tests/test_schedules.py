@@ -278,6 +278,9 @@ def test_unknown_schedule_and_bad_microbatch_counts():
     (dict(stage_costs=[1.0, float("nan")]), r"stage_costs\[1\] must be a finite number > 0, got nan"),
     (dict(stage_costs=[-1.0, 1.0]), r"stage_costs\[0\] must be a finite number > 0, got -1.0"),
     (dict(stage_costs=[0, 0]), r"stage_costs\[0\] must be a finite number > 0, got 0"),
+    # A dict's keys and a set's members in any order were taken as the costs.
+    (dict(stage_costs={1: 5.0, 2: 1.0}), r"stage_costs must be a list of one relative cost per stage, got \{1: 5.0"),
+    (dict(stage_costs={3.0, 1.0}), r"stage_costs must be a list of one relative cost per stage, got \{"),
 ])
 def test_bad_stage_counts_and_costs_are_clear_errors(kwargs, message):
     args = {"name": "1f1b", "num_stages": 2, "num_microbatches": 4, **kwargs}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Callable
 
 from .._checks import check_int, check_nonnegative, check_positive
@@ -76,7 +77,8 @@ def relative_costs(stage_costs: list[float] | None, num_stages: int) -> list[flo
     """Checked relative forward costs per stage, the largest 1 (large ones must not overflow); all 1 if None."""
     if stage_costs is None:
         return [1.0] * num_stages
-    if isinstance(stage_costs, (str, bytes)) or not hasattr(stage_costs, "__len__"):
+    # A mapping's keys or a set's members, in any order, are no costs by stage.
+    if isinstance(stage_costs, (str, bytes, Mapping, AbstractSet)) or not hasattr(stage_costs, "__len__"):
         raise ValueError(f"stage_costs must be a list of one relative cost per stage, got {stage_costs!r:.200}")
     if len(stage_costs) != num_stages:
         raise ValueError(f"stage_costs has {len(stage_costs)} entries but there are {num_stages} stages; "
