@@ -203,6 +203,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     failure leaves nothing behind). An existing `out_dir` is replaced only if it is empty or a
     Hugging Face model (an earlier export); a link to a directory is followed, so it stays a link.
     """
+    check_dtype(dtype)
     check_replaceable(Path(out_dir))
     out_dir = Path(os.path.abspath(out_dir))  # named, where the user's was '..'
     if out_dir.is_symlink() and out_dir.is_dir():
@@ -247,6 +248,12 @@ def _keeps_special_tokens(config, source: Path) -> bool:
         return False
     return (source / GENERATION_CONFIG).is_file() and all(
         saved.get(key) == getattr(config, key, None) for key in ("bos_token_id", "eos_token_id"))
+
+
+def check_dtype(dtype: str) -> None:
+    """Refuse a dtype the export has no name for: it would fail as a KeyError once the model is loaded."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, sorted(DTYPES)))}, got {dtype!r}")
 
 
 def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
@@ -299,6 +306,7 @@ def _export_metadata(out_dir: Path) -> dict | None:
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):
     """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
+    check_dtype(dtype)  # before the (long) load, not after it
     checkpoint = resolve_checkpoint(path)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
     source = read_extra(checkpoint).get("hf_model")

@@ -102,6 +102,19 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "BF16", None, torch.bfloat16])
+def test_export_refuses_an_unknown_dtype_before_the_model_loads(trained, tmp_path, monkeypatch, dtype):
+    """export(dtype="fp16") loaded the whole model, then failed with KeyError: 'fp16'."""
+    run_dir, _ = trained
+    model, tokenizer = load_model(run_dir)
+    monkeypatch.setattr(export_module, "load_full_model", lambda *args: pytest.fail("the model was loaded"))
+    for call in (lambda: export(run_dir, tmp_path / "hf", dtype=dtype),
+                 lambda: save_hf_model(model, tokenizer, tmp_path / "hf", dtype=dtype)):
+        with pytest.raises(ValueError, match=r"dtype must be one of 'bf16', 'fp32', got "):
+            call()
+        assert not (tmp_path / "hf").exists()
+
+
 def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
     """Bytes in another encoding (argv "caf\\xe9" reaches Python as "caf\\udce9") stopped the tokenizer, a TypeError."""
     with pytest.raises(SystemExit) as exit_info:  # before loading anything
