@@ -115,6 +115,14 @@ def test_export_refuses_an_unknown_dtype_before_the_model_loads(trained, tmp_pat
         assert not (tmp_path / "hf").exists()
 
 
+def test_sample_keeps_top_k_at_an_infinite_temperature(trained):
+    """At temperature inf every logit became 0, so top_k kept every token: top_k=1 sampled among all
+    of them instead of taking the most likely."""
+    model, tokenizer = load_model(trained[0])
+    greedy = sample(model, tokenizer, "def ", max_new_tokens=12, temperature=0)
+    assert sample(model, tokenizer, "def ", max_new_tokens=12, temperature=float("inf"), top_k=1) == greedy
+
+
 def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
     """Bytes in another encoding (argv "caf\\xe9" reaches Python as "caf\\udce9") stopped the tokenizer, a TypeError."""
     with pytest.raises(SystemExit) as exit_info:  # before loading anything
