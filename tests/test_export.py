@@ -123,6 +123,22 @@ def test_sample_keeps_top_k_at_an_infinite_temperature(trained):
     assert sample(model, tokenizer, "def ", max_new_tokens=12, temperature=float("inf"), top_k=1) == greedy
 
 
+@pytest.mark.parametrize("bad, error", [
+    (dict(max_new_tokens=-1), r"max_new_tokens must be an integer >= 0, got -1"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer >= 0, got 2\.5"),
+    (dict(top_k=2.5), r"top_k must be an integer >= 0 .*, got 2\.5"),
+    (dict(top_k=True), r"top_k must be an integer >= 0 .*, got True"),
+    (dict(seed=2**64), r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
+    (dict(seed=1.5), r"seed must be an integer from 0 to 2\*\*63 - 1, got 1\.5"),
+])
+def test_sample_checks_its_arguments(trained, bad, error):
+    """A negative max_new_tokens gave the prompt alone, a float top_k failed in torch.topk, a seed of
+    2**64 in manual_seed."""
+    model, tokenizer = load_model(trained[0])
+    with pytest.raises(ValueError, match=error):
+        sample(model, tokenizer, "def ", **{"max_new_tokens": 2, **bad})
+
+
 def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
     """Bytes in another encoding (argv "caf\\xe9" reaches Python as "caf\\udce9") stopped the tokenizer, a TypeError."""
     with pytest.raises(SystemExit) as exit_info:  # before loading anything
