@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ._checks import check_int, check_nonnegative, check_positive, is_int
@@ -59,8 +60,9 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     if costs is None:  # the even split: earlier stages take the remainder
         return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
-    # In units of the largest cost, so that sums of costs near the float maximum do not overflow to inf.
-    unit = max(costs.layer, costs.embedding, costs.head)
+    # In units of the largest cost, so that sums of costs near the float maximum do not overflow to inf; a power
+    # of two, so that every division is exact and the split is the one the costs themselves give.
+    unit = 2.0 ** (math.frexp(max(costs.layer, costs.embedding, costs.head))[1] - 1)
 
     def stage_cost(first: int, last: int, stage: int) -> float:
         return _stage_cost(last - first, stage, num_stages, costs, unit)
