@@ -44,7 +44,7 @@ def _size(config, name: str) -> int:
     """A size of the model config, checked here: a missing, zero or negative one would fail in the
     arithmetic, far from its name, or give a cost silently wrong."""
     return check_int(f"config.{name}", getattr(config, name, None),
-                     hint=" (estimate_costs reads a model config such as a Hugging Face one)")
+                     hint=" (the model config's sizes set the cost of each stage)")
 
 
 def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | None = None) -> list[int]:
