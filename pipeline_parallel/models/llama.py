@@ -312,14 +312,11 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:  # from the largest logit down, so a tiny temperature does not overflow to inf
             logits = logits - logits.amax(dim=-1, keepdim=True)
-            # The top k are picked before the temperature divides (an infinite one makes every logit 0, all of them
-            # the top k) and masked after it (-inf / inf is nan).
-            dropped = None
-            if top_k is not None:
-                dropped = logits < torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-            logits = logits / temperature
-            if dropped is not None:
-                logits = logits.masked_fill(dropped, float("-inf"))
-            next_id = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            scaled = logits / temperature
+            if top_k is not None:  # the top k of the logits before the temperature divides them (an infinite one makes
+                # every logit 0, all of them the top k), masked after it (-inf / inf is nan)
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                scaled = scaled.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator)
         input_ids = torch.cat((input_ids, next_id), dim=1)
     return input_ids
