@@ -24,11 +24,10 @@ HF_PREFIX = "hf:"  # "hf:NAME[:CONFIG[:SPLIT]]" is a dataset loaded with the `da
 Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
 
 
-def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None,
-          skip_runs: bool = False) -> list[Path]:
+def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
     """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
-    named in `skip_dirs`, the directory `skip` and (with `skip_runs`) training runs' directories skipped.
-    Linked directories are followed, each directory read once (a link back up the tree would loop)."""
+    named in `skip_dirs`, the directory `skip` and training runs' directories skipped. Linked
+    directories are followed, each directory read once (a link back up the tree would loop)."""
     found = []
     skip = skip.resolve() if skip is not None else None
     visited = {root.resolve()}
@@ -37,7 +36,7 @@ def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), sk
         for d in sorted(dirs):  # pruned here, before os.walk goes in, in an order that does not vary
             real = Path(parent, d).resolve()
             if (not d.startswith(".") and d not in skip_dirs and real != skip and real not in visited
-                    and not (skip_runs and _is_run_dir(real))):
+                    and not _is_run_dir(real)):
                 visited.add(real)
                 kept.append(d)
         dirs[:] = kept
@@ -80,7 +79,7 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | 
         if path.is_file():
             sources.append(path)
         elif path.is_dir():
-            found = _walk(path, known, skip=skip, skip_runs=True)
+            found = _walk(path, known, skip=skip)
             if not found:
                 raise ValueError(f"no data files under directory {path}; looked for {sorted(known)}")
             sources.extend(found)
