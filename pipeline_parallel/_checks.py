@@ -39,6 +39,14 @@ def check_int(name: str, value, minimum: int = 1, hint: str = "") -> int:
     return int(value)
 
 
+def check_seed(name: str, value, hint: str = "") -> int:
+    """`value` as an int if it is an integer from 0 to 2**63 - 1, the seeds torch's generators take, else a
+    ValueError naming `name`."""
+    if not is_int(value) or not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be an integer from 0 to 2**63 - 1{hint}, got {value!r}")
+    return int(value)
+
+
 def check_bool(name: str, value) -> bool:
     """`value` if it is a bool, else a ValueError naming `name` (a string such as "no" would count as true)."""
     if not isinstance(value, bool):

@@ -19,7 +19,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from ._checks import is_utf8
+from ._checks import check_seed, is_utf8
 from .checkpoint import is_checkpoint
 from .models import PRESETS, LlamaConfig
 from .partition import balanced_layer_counts, check_layer_counts
@@ -351,7 +351,10 @@ def validate(cfg: Config, world_size: int) -> None:
     check(cfg.run_dir.strip() != "", "run_dir is empty (an unset variable?): give the directory the run writes to, "
                                      "such as runs/mine")
     check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
-    check(0 <= cfg.seed < 2**63, f"seed must be in [0, 2**63) (what torch's generators take), got {cfg.seed}")
+    try:
+        check_seed("seed", cfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
     check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")

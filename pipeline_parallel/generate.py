@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._checks import check_int, is_int, is_utf8
+from ._checks import check_int, check_seed, is_utf8
 from .checkpoint import is_checkpoint
 from .export import export_tokenizer, load_full_model
 from .models import generate
@@ -52,8 +52,7 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     check_int("max_new_tokens", max_new_tokens, 0)
     if top_k is not None:
         check_int("top_k", top_k, 0, hint=" (0 or None: sample among all tokens)")
-    if not is_int(seed) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {seed!r}")
+    check_seed("seed", seed)
     prompt_ids = tokenizer.encode(prompt)
     ids = tokenizer.document_ends[0] + prompt_ids or [tokenizer.eos_id]  # as a document starts in training
     generator = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from ._checks import check_int, check_positive
+from ._checks import check_int, check_positive, check_seed
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
@@ -107,7 +107,7 @@ class Pipeline:
             if device_error:
                 raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
-            seed = check_int("seed", seed, minimum=0, hint=" (weights a model on meta gets are drawn from it)")
+            seed = check_seed("seed", seed, hint=" (weights a model on meta gets are drawn from it)")
             self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
             dtypes, tied = _parameter_dtypes(model), is_tied(model)

@@ -163,7 +163,7 @@ PIPELINE_CASES = {
     "seq-len-zero": (lambda r, w, g: _pipe(g, seq_len=0), ValueError,
                      r"seq_len must be an integer >= 1 \(the sequence length to balance the stages for\), got 0"),
     "seed-none": (lambda r, w, g: _pipe(g, seed=None), ValueError,
-                  r"seed must be an integer >= 0 \(weights a model on meta gets are drawn from it\), got None"),
+                  r"seed must be an integer from 0 to 2\*\*63 - 1 \(weights a model on meta gets are drawn from it\), got None"),
     "schedule-none": (lambda r, w, g: _pipe(g, schedule=None), ValueError,
                       r"unknown schedule None; choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,

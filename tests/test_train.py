@@ -118,7 +118,7 @@ def test_config_errors(tmp_path, corpus):
                                 ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1"),
                                 ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after"),
                                 ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
-                                ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)"),
+                                ("seed", 2**64, r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
                                 ("run_dir", " ", "run_dir is empty")):  # it wrote the run into the current directory
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
