@@ -37,7 +37,7 @@ class DamagedCheckpointError(ValueError):
         return f"checkpoint {self.path} is damaged ({self.why}); {instead}"
 
 
-def _clear_leftovers(ckpt_dir: Path) -> None:
+def clear_leftovers(ckpt_dir: Path) -> None:
     """Drop the leftovers of crashed saves in `ckpt_dir`, which are never loadable."""
     for path in _step_dirs(ckpt_dir):  # but a step a crashed re-save moved aside is still published
         if path.suffix == ".old":
@@ -47,13 +47,13 @@ def _clear_leftovers(ckpt_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _next_save_order(ckpt_dir: Path) -> int:
+def next_save_order(ckpt_dir: Path) -> int:
     """The save number of the next checkpoint in `ckpt_dir`: after every published one's, so that rotation goes by
     when, not by step."""
     return max((_save_order(p)[0] for p in _step_dirs(ckpt_dir)), default=-1) + 1
 
 
-def _commit(tmp: Path, final: Path) -> None:
+def commit(tmp: Path, final: Path) -> None:
     """Publish a fully written checkpoint: rename it into place, then move `latest`."""
     old = final.with_name(final.name + ".old")
     if final.exists():  # re-saving a step after resuming from an older checkpoint
@@ -65,7 +65,7 @@ def _commit(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
+def rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
     """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved, of `step`) among them.
 
     A step later than this one belongs to a run this one abandoned by resuming from an older
@@ -89,7 +89,7 @@ def _is_complete(path: Path) -> bool:
     return not _missing_parts(path)
 
 
-def _require_complete(path: Path) -> None:
+def require_complete(path: Path) -> None:
     missing = _missing_parts(path)
     if missing:
         what = (f"is not a complete checkpoint (it lacks {' and '.join(missing)})" if path.exists()
@@ -100,7 +100,7 @@ def _require_complete(path: Path) -> None:
 def _step_dirs(ckpt_dir: Path) -> list[Path]:
     """Published checkpoint directories, oldest step first.
 
-    `step_N.old` stands for step N while `step_N` is missing: `_commit` crashed between
+    `step_N.old` stands for step N while `step_N` is missing: `commit` crashed between
     moving a re-saved step aside and renaming its replacement into place.
     """
     if not ckpt_dir.is_dir():
@@ -119,15 +119,15 @@ def _meta(path: Path) -> dict:
     return json.loads((path / META).read_text())
 
 
-def _read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
     """`_meta`, where a meta.json that is not JSON makes the checkpoint damaged."""
     try:
         return _meta(path)
     except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
-        raise _damaged(path, f"its {META} cannot be read: {e}") from None
+        raise damaged(path, f"its {META} cannot be read: {e}") from None
 
 
-def _damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
+def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
     """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
     is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where the
     ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
@@ -138,7 +138,7 @@ def _damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheck
     return DamagedCheckpointError(path, why, next((p for p in others if _intact(p, comm)), None))
 
 
-def _differences(path: Path, comm: PipeComm) -> list[str]:
+def file_problems(path: Path, comm: PipeComm) -> list[str]:
     """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
     every rank of `comm`, which all call it: each hashes its share of the files."""
     mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
@@ -152,13 +152,13 @@ def _differences(path: Path, comm: PipeComm) -> list[str]:
 def _intact(path: Path, comm: PipeComm) -> bool:
     """Whether checkpoint `path` is complete and its files are as saved, alike on every rank of `comm`, which all
     call it."""
-    return not _differences(path, comm)
+    return not file_problems(path, comm)
 
 
 def _save_order(path: Path) -> tuple[int, int]:
     """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
     before save numbers (-1) count as older than any numbered one, in step order among themselves."""
-    try:  # not _read_meta: its error names another checkpoint, found by this order
+    try:  # not read_meta: its error names another checkpoint, found by this order
         meta = _meta(path)
     except (OSError, ValueError):
         meta = {}
@@ -184,7 +184,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
         missing = _missing_parts(named)
         if missing:  # published whole, so a part missing now is damage, not a crash mid-save
-            raise _damaged(named, f"it lacks {' and '.join(missing)}")
+            raise damaged(named, f"it lacks {' and '.join(missing)}")
         return named
     complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
     return max(complete, key=_save_order) if complete else None
@@ -197,5 +197,5 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 def read_extra(path: str | os.PathLike) -> dict:
     """The `extra` a checkpoint was saved with, without loading any tensor."""
-    _require_complete(Path(path))
-    return _read_meta(Path(path))["extra"]
+    require_complete(Path(path))
+    return read_meta(Path(path))["extra"]

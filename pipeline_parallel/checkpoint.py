@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, _clear_leftovers, _commit, _damaged,
-                               _differences, _next_save_order, _read_meta, _require_complete, _rotate, is_checkpoint,
-                               latest_checkpoint, read_extra)
+from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, clear_leftovers, commit, damaged,
+                               file_problems, is_checkpoint, latest_checkpoint, next_save_order, read_extra, read_meta,
+                               require_complete, rotate)
 from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from ._files import atomic_write
 from .comm import PipeComm
@@ -131,8 +131,8 @@ def _portable(error: Exception | None) -> Exception | None:
 
 def _meta_to_load(path: Path, optimizer: torch.optim.Optimizer | None) -> dict:
     """The meta.json of checkpoint `path`, which a load with `optimizer` can use; else why not."""
-    _require_complete(path)
-    meta = _read_meta(path)
+    require_complete(path)
+    meta = read_meta(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format {meta.get('format_version')!r}; "
                          f"this version of pipeline_parallel reads format {FORMAT_VERSION}")
@@ -191,13 +191,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def prepare() -> None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        _clear_leftovers(ckpt_dir)
+        clear_leftovers(ckpt_dir)
         tmp.mkdir()
 
     def publish() -> None:
-        order = _next_save_order(ckpt_dir)
+        order = next_save_order(ckpt_dir)
         atomic_write(tmp / META, json.dumps({**meta, "save_order": order, "files": files}, indent=1))
-        _commit(tmp, final)
+        commit(tmp, final)
 
     _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it
 
@@ -218,7 +218,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         files |= written
     _on_rank0(publish, comm, f"publish {final}")
     if rank == 0 and keep_last > 0:
-        _rotate(ckpt_dir, final, step, keep_last)
+        rotate(ckpt_dir, final, step, keep_last)
     return final
 
 
@@ -248,7 +248,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             current = _rng_state()
             state["rng"] = {f"rank{rank}": {d: current[d] for d in meta["rng_devices"] if d in current}}
 
-        problems = _differences(path, comm)  # before any file is read
+        problems = file_problems(path, comm)  # before any file is read
         if problems:
             raise DamagedCheckpointError(path, _listed(problems), None)
         reader = SafeFileSystemReader(path)
@@ -270,7 +270,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             raise DamagedCheckpointError(path, f"its tensors cannot be read, or it was saved from another model: "
                                                f"{first}", None) from None
     except DamagedCheckpointError as e:  # on every rank alike, which name the newest intact checkpoint together
-        raise _damaged(path, e.why, comm) from None
+        raise damaged(path, e.why, comm) from None
 
     set_model_state_dict(model, state["model"])
     if optimizer is not None:

@@ -119,7 +119,7 @@ class Tokenizer:
     @functools.cached_property
     def _fingerprint(self) -> str:
         """`fingerprint`, taken once (it reads the whole vocabulary; every checkpoint records it)."""
-        return _hash(self._description)
+        return json_hash(self._description)
 
     @functools.cached_property
     def fingerprint_parts(self) -> dict[str, str]:
@@ -137,7 +137,7 @@ class Tokenizer:
                      "normalizer": definition["normalizer"], "pre-tokenizer": definition["pre_tokenizer"],
                      "decoder": definition["decoder"]}
         parts["document ends"] = [described["document_ends"], described["eos_id"]]
-        return {name: _hash(part) for name, part in parts.items()}
+        return {name: json_hash(part) for name, part in parts.items()}
 
     def save(self, directory: str | Path, model_max_length: int | None = None) -> None:
         """Write files that both `load_tokenizer(directory)` and `transformers.AutoTokenizer`
@@ -162,7 +162,7 @@ class Tokenizer:
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 
-def _hash(value) -> str:
+def json_hash(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
@@ -242,7 +242,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "tokenizer directory (hub names cannot be downloaded here), or omit it to train one"
         )
     if path.is_file():
-        return _from_tokenizers(_read_tokenizer_json(path), path)
+        return _from_tokenizers(read_tokenizer_json(path), path)
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):  # transformers 5 would give an empty one
         raise ValueError(
             f"directory {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); a model saved "
@@ -253,7 +253,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         if (path / TOKENIZER_FILE).is_file():  # a bare tokenizer.json with no config
-            return _from_tokenizers(_read_tokenizer_json(path / TOKENIZER_FILE), path)
+            return _from_tokenizers(read_tokenizer_json(path / TOKENIZER_FILE), path)
         raise ValueError(f"could not load a tokenizer from directory {path}: {e}") from e
     backend = getattr(hf, "backend_tokenizer", None)
     eos_id = hf.eos_token_id
@@ -264,7 +264,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(backend, eos_id, hf=hf, source=path)
 
 
-def _read_tokenizer_json(path: Path):
+def read_tokenizer_json(path: Path):
     """A `tokenizers.Tokenizer` from a tokenizer.json file, or a ValueError that says what the file is not."""
     from tokenizers import Tokenizer as RawTokenizer
 

@@ -6,7 +6,7 @@ import hashlib
 import importlib.metadata
 import json
 
-from .tokenizer import TOKENIZER_FILE, Tokenizer, _hash, _read_tokenizer_json
+from .tokenizer import TOKENIZER_FILE, Tokenizer, json_hash, read_tokenizer_json
 
 
 def _transformers_version() -> str | None:
@@ -56,7 +56,7 @@ def _forms(tokenizer: Tokenizer) -> list[Tokenizer]:
     source = tokenizer.source
     if source is None or not (source / TOKENIZER_FILE).is_file():
         return [tokenizer]
-    return [tokenizer, Tokenizer(_read_tokenizer_json(source / TOKENIZER_FILE), tokenizer.eos_id)]
+    return [tokenizer, Tokenizer(read_tokenizer_json(source / TOKENIZER_FILE), tokenizer.eos_id)]
 
 
 def _old_fingerprints(form: Tokenizer) -> set[str]:
@@ -67,4 +67,4 @@ def _old_fingerprints(form: Tokenizer) -> set[str]:
     spec = json.loads(form.backend.to_str())
     spec.pop("post_processor", None)
     return {hashlib.sha256(form.backend.to_str().encode()).hexdigest(),
-            _hash({"definition": spec, "document_ends": form.document_ends, "eos_id": form.eos_id})}
+            json_hash({"definition": spec, "document_ends": form.document_ends, "eos_id": form.eos_id})}

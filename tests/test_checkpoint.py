@@ -152,7 +152,7 @@ def _crash_worker(rank, world_size, run_dir):
         raise OSError("simulated crash before publishing")
 
     if rank == 0:
-        ckpt._commit = crash  # rank 0 dies between the writes and the rename
+        ckpt.commit = crash  # rank 0 dies between the writes and the rename
     with pytest.raises((OSError, RuntimeError), match="simulated crash|rank 0 failed"):
         save_checkpoint(run_dir, 2, model, opt, {"step": 2}, keep_last=5)
     assert (run_dir / "checkpoints" / "step_000002.tmp").is_dir()
@@ -637,8 +637,8 @@ def _meta_lacking_a_key_on_rank_1(rank, world_size, run_dir):
     opt = train(model)
     path = save_checkpoint(run_dir, 1, model, opt, {"step": 1}, keep_last=0)
     if rank == 1:
-        read_meta = ckpt._read_meta
-        ckpt._read_meta = lambda p: {k: v for k, v in read_meta(p).items() if k != "has_optimizer"}
+        read_meta = ckpt.read_meta
+        ckpt.read_meta = lambda p: {k: v for k, v in read_meta(p).items() if k != "has_optimizer"}
     fresh = make_stage(rank, world_size, seed=1)
     try:
         load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()))

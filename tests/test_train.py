@@ -697,17 +697,17 @@ def test_reshard_on_load(runs, corpus, tmp_path, world_size):
 def test_interrupted_save_keeps_the_previous_checkpoint(runs, corpus, tmp_path, monkeypatch):
     whole = runs[0]
     cfg = make_cfg(tmp_path, corpus, **{"checkpoint.interval": 2, "train.max_steps": 4})
-    real_commit = ckpt._commit
+    real_commit = ckpt.commit
 
     def crash_at_step_4(tmp, final):
         if final.name == "step_000004":
             raise KeyboardInterrupt("killed while saving")
         real_commit(tmp, final)
 
-    monkeypatch.setattr(ckpt, "_commit", crash_at_step_4)
+    monkeypatch.setattr(ckpt, "commit", crash_at_step_4)
     with pytest.raises(KeyboardInterrupt):
         run(cfg)
-    monkeypatch.setattr(ckpt, "_commit", real_commit)
+    monkeypatch.setattr(ckpt, "commit", real_commit)
     assert ckpt.latest_checkpoint(tmp_path).name == "step_000002"
     assert (tmp_path / "checkpoints" / "step_000004.tmp").is_dir()  # the half-written one
     records = run(cfg)  # resumes from step 2
