@@ -54,12 +54,12 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
-def check_nonnegative(name: str, value, hint: str = "") -> float:
+def check_nonnegative(name: str, value, allow_inf: bool = False, hint: str = "") -> float:
     """`value` as a float if it is a finite real number >= 0 (numpy's or a 0-d tensor's too), else a
-    ValueError naming `name`."""
+    ValueError naming `name`; with `allow_inf`, infinity is taken too."""
     real = _real(value)
-    if real is None or not 0 <= real < math.inf:
-        raise ValueError(f"{name} must be a finite number >= 0{hint}, got {value!r}")
+    if real is None or not real >= 0 or (real == math.inf and not allow_inf):
+        raise ValueError(f"{name} must be a {'' if allow_inf else 'finite '}number >= 0{hint}, got {value!r}")
     return real
 
 

@@ -174,9 +174,11 @@ def test_generate_shape_and_reproducibility():
     padded = generate(model, prompt, max_new_tokens=20, temperature=5.0, generator=torch.Generator().manual_seed(1),
                       vocab_size=7)
     assert int(padded[:, 5:].max()) < 7
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0 \(0 picks the most likely token\), got -1.0"):
         generate(model, prompt, max_new_tokens=1, temperature=-1.0)
-    with pytest.raises(ValueError, match="top_k must be >= 1"):
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0 .*, got None"):  # was a TypeError
+        generate(model, prompt, max_new_tokens=1, temperature=None)
+    with pytest.raises(ValueError, match=r"top_k must be an integer >= 1 \(or None to sample among all tokens\), got -3"):
         generate(model, prompt, max_new_tokens=1, top_k=-3)
 
 

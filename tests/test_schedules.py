@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
 from pipeline_parallel.schedules import (B, F, Kind, choose_split, estimated_duration, gpipe, lower, makespan,
-                                         one_f_one_b, simulate, validate)
+                                         one_f_one_b, simulate, split_backwards, validate)
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -294,6 +294,11 @@ def test_simulate_refuses_a_negative_or_unknown_duration():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"the duration of F0\.0 must be a finite number >= 0, got "):
             simulate(schedule, 2, lambda a: bad)
+    # A number where the function of an action goes was Python's "'float' object is not callable".
+    for tool in (simulate, lambda *args: split_backwards(*args[:2], 1, args[2])):
+        with pytest.raises(TypeError, match=r"duration must be a function that gives a compute action's time, .* "
+                                            r"got 1\.0"):
+            tool(schedule, 2, 1.0)
 
 
 # Hand-made broken schedules --------------------------------------------------------------------------------------

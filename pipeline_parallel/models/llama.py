@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_int, check_positive
+from .._checks import check_int, check_nonnegative, check_positive
 
 
 @dataclass
@@ -301,10 +301,11 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
     `vocab_size` (the tokenizer's) leaves out the rows of an embedding padded beyond it, which
     no text decodes to. Returns (batch, seq + max_new_tokens) token ids.
     """
-    if not temperature >= 0:  # a negative one would silently prefer the least likely tokens
-        raise ValueError(f"temperature must be >= 0 (0 picks the most likely token), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, or None to sample among all tokens; got {top_k}")
+    # A negative temperature would silently prefer the least likely tokens; inf samples all alike.
+    temperature = check_nonnegative("temperature", temperature, allow_inf=True, hint=" (0 picks the most likely token)")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+    if top_k is not None:
+        top_k = check_int("top_k", top_k, hint=" (or None to sample among all tokens)")
     for _ in range(max_new_tokens):
         context = input_ids[:, -model.config.max_position_embeddings:]
         logits = model(context).logits[:, -1, :vocab_size].float()
