@@ -16,6 +16,7 @@ import os
 import shlex
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import torch
@@ -259,6 +260,7 @@ def check_dtype(dtype: str) -> None:
 def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
     """Refuse to replace a directory that is not an earlier export, or is `source` (the Hugging Face
     model a run started from, perhaps itself an export): it would be deleted."""
+    _check_creatable(out_dir)
     if not out_dir.exists():
         return
     if out_dir.resolve() in (cwd := Path.cwd().resolve(), *cwd.parents):
@@ -281,6 +283,19 @@ def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
     if added:
         raise FileExistsError(f"{out_dir} is an earlier export, but it also holds {', '.join(added)}, which no export "
                               "wrote and exporting would delete: move them out, or export into another directory")
+
+
+def _check_creatable(out_dir: Path) -> None:
+    """Fail now, not after the long load, where no export can be written: it is made in a new directory beside
+    `out_dir`, so the nearest existing directory above must take one (tried and removed at once)."""
+    parent = Path(os.path.abspath(out_dir)).parent
+    existing = next(p for p in (parent, *parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(f"cannot export into {out_dir}: {existing} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".export-check-"))
+    except OSError as e:
+        raise OSError(f"cannot export into {out_dir}: no directory can be made in {existing} ({e.strerror})") from None
 
 
 def _exported_files(out_dir: Path) -> set[str] | None:

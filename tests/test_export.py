@@ -232,6 +232,21 @@ def test_export_refuses_the_directory_it_is_run_in(trained, tmp_path, monkeypatc
     assert export(run_dir, "sub")[0] == here / "sub"  # a relative path is taken from the current directory
 
 
+def test_an_output_no_directory_can_be_made_in_is_refused_before_the_model_loads(trained, tmp_path, monkeypatch, capsys):
+    """--out under a file (or in /proc) failed after the long load, naming the temporary path, not the one given."""
+    run_dir, _ = trained
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setattr(export_module, "load_full_model", lambda *a: pytest.fail("the model was loaded"))
+    for out, error in ((tmp_path / "notes.txt" / "hf", re.escape(f"{tmp_path / 'notes.txt'} is a file, not a directory")),
+                       (Path("/proc/hf"), r"no directory can be made in /proc \(")):
+        with pytest.raises(SystemExit) as exit_info:
+            export_main([str(run_dir), "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert re.fullmatch(rf"error: cannot export into {re.escape(str(out))}: {error}.*\n", capsys.readouterr().err)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"], "the check leaves nothing behind"
+
+
 def test_a_checkpoint_moved_out_of_its_run_directory_is_refused_before_the_model_loads(trained, tmp_path, capsys):
     run_dir, _ = trained
     moved = tmp_path / "elsewhere" / "step"
