@@ -227,16 +227,22 @@ def run_step(
         for stage in stages.values():
             stage.clear()
         raise
-    # [loss, failed ranks, frozen ends of a tied weight], summed
-    outcome = torch.zeros(3, dtype=torch.float64, device=comm.device)
+    # [loss, failed ranks, frozen ends of a tied weight, ranks with a parameter to train], summed
+    outcome = torch.zeros(4, dtype=torch.float64, device=comm.device)
     if error is not None:
         outcome[1] = 1
     elif holds_last:
         outcome[0] = torch.stack(step.losses).sum().detach()
     outcome[2] = frozen
-    loss, failed, frozen_ends = comm.all_reduce(outcome).tolist()
+    outcome[3] = any(p.requires_grad for stage in stages.values() for p in stage.parts.parameters())
+    loss, failed, frozen_ends, training_ranks = comm.all_reduce(outcome).tolist()
     if failed:
         _raise_step_failure(comm, error)
+    if step.training and not training_ranks:  # as one process's backward fails, not a step that trains nothing
+        raise RuntimeError(
+            "no parameter of the model requires grad, so a training step has nothing to compute: set requires_grad "
+            "on the parameters to train, or compute the loss alone (Pipeline.evaluate)"
+        )
     if frozen_ends == 1:
         raise ValueError(
             "the tied embedding is frozen at one end only: set requires_grad alike on model.embed_tokens.weight "

@@ -66,6 +66,13 @@ def _frozen_at_first_end(group):
     return pipe
 
 
+def _all_frozen(group):
+    pipe = _pipe(group)
+    for param in pipe.parameters():
+        param.requires_grad_(False)
+    return pipe
+
+
 def _partly_on_meta():
     model = build("llama", 4)
     model.model.layers[1].mlp.up_proj.weight = nn.Parameter(torch.empty(1, device="meta"))
@@ -257,6 +264,9 @@ PIPELINE_CASES = {
     "tied-weight-frozen-at-one-end": (lambda r, w, g: _frozen_at_first_end(g).step(X, Y), ValueError,
                                       r"the tied embedding is frozen at one end only: set requires_grad alike on "
                                       r"model.embed_tokens.weight \(first rank\) and lm_head.weight"),
+    # Trained nothing and returned the loss, where one process's backward fails: "does not require grad".
+    "every-parameter-frozen": (lambda r, w, g: _all_frozen(g).step(X, Y), RuntimeError,
+                               r"no parameter of the model requires grad, so a training step has nothing to compute"),
     "weight-shared-across-stages": (lambda r, w, g: pp.Pipeline(shared_mlp(1, 2), device="cpu", group=g,
                                                                 num_microbatches=2), ValueError,
                                     r"model.layers.1.mlp.up_proj.weight \(stage 0\) and model.layers.2.mlp.up_proj."
