@@ -309,6 +309,12 @@ def main() -> None:
               f"{ratio(t, ideal):<21} {ratio(t, busy_ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
               f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}  {faults[name]}")
     print(f"single-process page faults/step by rank: {faults['single']} (one thread), {faults['single busy']} (all)")
+    for name, t in per_round.items():  # the targets, on the medians over rounds
+        if name.startswith("ours"):
+            vs_torch = med([a / b for a, b in zip(t, per_round["torch " + name.split()[1]])])
+            vs_ideal = med([a / b for a, b in zip(t, ideal)])
+            print(f"target {name}: {vs_torch:.3f} of torch ({'met' if vs_torch <= 0.95 else 'missed'}: at most 0.95), "
+                  f"{vs_ideal:.3f} of the ideal ({'met' if vs_ideal <= 1.10 else 'missed'}: within 10%)")
 
 
 if __name__ == "__main__":
