@@ -259,7 +259,8 @@ def check_dtype(dtype: str) -> None:
 
 def check_replaceable(out_dir: Path, source: str | Path | None = None) -> None:
     """Refuse to replace a directory that is not an earlier export, or is `source` (the Hugging Face
-    model a run started from, perhaps itself an export): it would be deleted."""
+    model a run started from, perhaps itself an export): it would be deleted. Also refuse a place
+    where no export can be written (see `_check_creatable`)."""
     _check_creatable(out_dir)
     if not out_dir.exists():
         return
