@@ -47,9 +47,8 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     a SentencePiece decoder strips from the start of a text ("Hello" + "▁world").
     """
     check_prompt(prompt)
-    # Checked here, not left to torch: a negative count gave the prompt alone, a float top_k or a seed
-    # beyond 64 bits failed in torch.topk or manual_seed.
-    check_int("max_new_tokens", max_new_tokens, 0)
+    # Checked here, not left to torch: a float top_k or a seed beyond 64 bits failed in torch.topk or manual_seed
+    # (generate checks max_new_tokens and temperature; its top_k takes None, not 0, for all tokens).
     if top_k is not None:
         check_int("top_k", top_k, 0, hint=" (0 or None: sample among all tokens)")
     check_seed("seed", seed)
