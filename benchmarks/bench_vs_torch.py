@@ -297,8 +297,11 @@ def main() -> None:
     print(f"{'engine':<{width}} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
           f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}  page faults/step by rank")
 
+    def ratios(a, b):
+        return [x / y for x, y in zip(a, b)]
+
     def ratio(a, b):
-        values = [x / y for x, y in zip(a, b)]
+        values = ratios(a, b)
         low, high = median_interval(values)
         return f"{med(values):.3f} [{low:.3f}, {high:.3f}]"
 
@@ -311,8 +314,7 @@ def main() -> None:
     print(f"single-process page faults/step by rank: {faults['single']} (one thread), {faults['single busy']} (all)")
     for name, t in per_round.items():  # the targets, on the medians over rounds
         if name.startswith("ours"):
-            vs_torch = med([a / b for a, b in zip(t, per_round["torch " + name.split()[1]])])
-            vs_ideal = med([a / b for a, b in zip(t, ideal)])
+            vs_torch, vs_ideal = med(ratios(t, per_round["torch " + name.split()[1]])), med(ratios(t, ideal))
             print(f"target {name}: {vs_torch:.3f} of torch ({'met' if vs_torch <= 0.95 else 'missed'}: at most 0.95), "
                   f"{vs_ideal:.3f} of the ideal ({'met' if vs_ideal <= 1.10 else 'missed'}: within 10%)")
 

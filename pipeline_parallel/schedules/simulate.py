@@ -171,6 +171,7 @@ def checked_duration(duration: Callable[[Action], float]) -> Callable[[Action], 
     if not callable(duration):
         raise TypeError(f"duration must be a function that gives a compute action's time, such as "
                         f"`lambda action: 1.0`, got {duration!r:.200}")
+
     def checked(action: Action) -> float:
         seconds = duration(action)
         if isinstance(seconds, float) and 0 <= seconds < math.inf:  # the usual case, without building a name
