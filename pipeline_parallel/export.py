@@ -205,7 +205,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     Hugging Face model (an earlier export); a link to a directory is followed, so it stays a link.
     """
     check_dtype(dtype)
-    check_replaceable(Path(out_dir))
+    check_replaceable(Path(out_dir), source)  # again, as the directory may have changed during a long load
     out_dir = Path(os.path.abspath(out_dir))  # named, where the user's was '..'
     if out_dir.is_symlink() and out_dir.is_dir():
         out_dir = out_dir.resolve()

@@ -407,6 +407,10 @@ def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_p
     config.bos_token_id = config.eos_token_id = tok.eos_id  # what hf_config_dict does for another tokenizer
     replaced = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "replaced", source=source)
     assert not (replaced / "generation_config.json").exists()
+    # Saving over the source (itself an export, so replaceable as such) would delete the model it reads.
+    with pytest.raises(FileExistsError, match="the Hugging Face model the run started from"):
+        save_hf_model(transformers.LlamaForCausalLM(config), tok, source, source=source)
+    assert (source / "generation_config.json").is_file()
 
 
 def test_export_writes_through_the_temporary_path_of_its_output(tmp_path, monkeypatch):
