@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from .batch import differences
 from .checkpoint import DamagedCheckpointError, load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
@@ -139,6 +140,12 @@ class Trainer:
             tempfile.TemporaryFile(dir=self.run_dir).close()
         except OSError as e:
             raise ConfigError(f"run_dir {self.run_dir} cannot be written: {e.strerror or e}") from None
+        if self.rank == 0:  # one run per directory, until finish(); before the checkpoints are looked at
+            try:
+                lock_dir(self.run_dir)
+            except DirectoryInUse as e:
+                raise ConfigError(f"run_dir {e}: two runs in one directory would overwrite each other's checkpoints "
+                                  "and metrics; wait for that run to end (or stop it), or give another run_dir") from None
         resume_from = checkpoint_to_resume(cfg)  # before the data: a wrong resume is a config error
         if cfg.export.at_end:  # found now, not after the whole run has trained
             with as_config_error("export.at_end", FileExistsError):
@@ -324,6 +331,7 @@ class Trainer:
                 self._report(solo)
         finally:
             self._patient.all_gather_object(None)  # a barrier: the others wait for the export, so the group outlives it
+        unlock_dir(self.run_dir)
         if self.owns_group:
             dist.destroy_process_group()
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from _dist import _free_port, run_distributed
 
 from pipeline_parallel import checkpoint as ckpt
+from pipeline_parallel._dir_lock import lock_dir
 from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
 from pipeline_parallel.export import load_full_model
@@ -182,6 +184,44 @@ def test_unreadable_settings_are_config_errors_before_the_data(tmp_path, corpus)
         with pytest.raises(ConfigError, match="device = cuda, but this torch .* finds no CUDA GPU; use device = cpu"):
             Trainer(make_cfg(tmp_path / "r2", corpus, device="cuda"))
     assert not list(tmp_path.glob("r*/tokens-*")), "all refused before the data was prepared"
+
+
+def _hold_run_dir(run_dir, held, release):
+    lock_dir(run_dir)
+    held.set()
+    release.wait(60)
+
+
+def _lock_from_another_process(run_dir) -> str:
+    """What lock_dir says in a process of its own (a forked one would inherit this one's locks)."""
+    code = ("import sys; from pipeline_parallel._dir_lock import DirectoryInUse, lock_dir\n"
+            "try: lock_dir(sys.argv[1]); print('locked')\nexcept DirectoryInUse as e: print(e)")
+    return subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_a_run_directory_another_run_holds_is_refused_until_that_run_ends(tmp_path, corpus):
+    """Two runs in one run_dir overwrite each other's checkpoints and metrics (one resumed from the other's
+    and deleted its half-written save): the second is a config error, until the first's process ends."""
+    cfg = make_cfg(tmp_path / "run", corpus)
+    (tmp_path / "run").mkdir()
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_hold_run_dir, args=(tmp_path / "run", held, release))
+    other.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(ConfigError, match=rf"run_dir .*run is in use by another run \(pid {other.pid} on .*\): two "
+                                              "runs in one directory .*; wait for that run to end"):
+            Trainer(cfg)
+        assert not list((tmp_path / "run").glob("tokens-*")), "refused before the data was prepared"
+    finally:
+        release.set()
+        other.join(30)
+    trainer = Trainer(cfg)  # the lock went with the process
+    assert f"is in use by another run (pid {os.getpid()} on" in _lock_from_another_process(tmp_path / "run")
+    trainer.fit()
+    assert _lock_from_another_process(tmp_path / "run") == "locked"  # let go once the run finished
 
 
 def test_configs_and_docs_cover_every_key():
@@ -456,7 +496,9 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
 
     run_dir, config = tmp_path / "run", tmp_path / "run.toml"
     shutil.copytree(runs[0], run_dir)  # complete at step 6
-    files = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    # The run's files, not .lock, which records who held the directory last (this start too)
+    files = lambda: {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file() and path.name != ".lock"}
+    before = files()
     monkeypatch.setattr(trainer, "prepare_data", None)  # not called
     last = run_dir / "checkpoints" / "step_000006"
     for max_steps in (6, 4):
@@ -466,7 +508,7 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
             f"the run is complete: {last} is at step 6 and train.max_steps is {max_steps}, so there is nothing to "
             "train (nothing was changed). To train further, raise train.max_steps; to export that checkpoint "
             f"again: python -m pipeline_parallel.export {last}\n")
-        assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == files
+        assert files() == before
 
 
 def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
