@@ -1,4 +1,6 @@
-"""The training program's configuration: dataclasses, TOML file, command-line overrides, validation."""
+"""The training program's configuration: dataclasses, TOML file, command-line overrides, TOML out.
+
+config_checks.py judges a configuration as a whole; this module only reads and writes one."""
 
 from __future__ import annotations
 
@@ -12,18 +14,13 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-from ._checks import check_seed, is_utf8
-from .checkpoint import is_checkpoint
-from .models import PRESETS, LlamaConfig
-from .partition import balanced_layer_counts, check_layer_counts
-from .schedules import build_schedule
+from ._checks import is_utf8
 
 
 class ConfigError(ValueError):
@@ -203,13 +200,13 @@ def _convert(key: str, value, from_text: bool):
     except (TypeError, ValueError):
         name = "a list" if typing.get_origin(kind) is list else kind.__name__
         raise ConfigError(f"config key {key!r} must be {name}, got {value!r}") from None
-    if kind is float and not abs(converted) <= _FLOAT32_MAX:  # also false for nan
+    if kind is float and not abs(converted) <= FLOAT32_MAX:  # also false for nan
         raise ConfigError(f"config key {key!r} must be a finite number of float32's range (|x| <= 3.4e38, "
                           f"what the optimizer and sampler compute in), got {value!r}")
     return converted
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _exact(kind: type, value):
@@ -314,96 +311,6 @@ def _usage() -> argparse.ArgumentParser:
     parser.add_argument("--resume", nargs="?", const="latest",
                         help="continue from the latest checkpoint (which must exist), or from the one given")
     return parser
-
-
-def num_layers(cfg: Config) -> int:
-    """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
-    if cfg.hf_model:
-        return int(_hf_config(cfg)["num_hidden_layers"])
-    return llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).num_hidden_layers
-
-
-def _hf_config(cfg: Config) -> dict:
-    config_file = Path(cfg.hf_model) / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
-    return json.loads(config_file.read_text())
-
-
-def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
-    """Our Llama's shape: the preset with every field the config sets."""
-    overrides = {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)
-                 if f.name != "preset" and getattr(cfg.model, f.name) is not None}
-    overrides["vocab_size"] = cfg.model.vocab_size or vocab_size
-    with as_config_error("model"):
-        return LlamaConfig.from_preset(cfg.model.preset, **overrides)
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Raise ConfigError for any invalid setting or combination. Reads only the config and the
-    files it names (resume, hf_model), which a node may see differently: the training program
-    runs it on every rank and raises the first failure everywhere."""
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    t, o, d, p = cfg.train, cfg.optim, cfg.data, cfg.pipeline
-    check(cfg.run_dir.strip() != "", "run_dir is empty (an unset variable?): give the directory the run writes to, "
-                                     "such as runs/mine")
-    check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
-    try:
-        check_seed("seed", cfg.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    check(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
-    check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
-    check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")
-    if cfg.resume not in ("auto", "latest", "never"):
-        hint = (f"; {cfg.resume} is a run directory: give it as run_dir with resume = latest, or name one of "
-                "its checkpoints/step_* directories" if (Path(cfg.resume) / "checkpoints").is_dir() else "")
-        check(is_checkpoint(cfg.resume), "resume must be auto, latest, never or a complete checkpoint directory "
-                                         f"(run_dir/checkpoints/step_NNNNNN), got {cfg.resume!r}{hint}")
-    for key in ("train.batch_size", "train.grad_accum_steps", "train.max_steps", "pipeline.num_microbatches",
-                "data.seq_len", "log.interval"):
-        check(_get(cfg, key) >= 1, f"{key} must be >= 1, got {_get(cfg, key)}")
-    for key in ("optim.warmup_steps", "optim.lr_decay_steps", "optim.weight_decay", "optim.grad_clip",
-                "optim.min_lr", "eval.interval", "eval.max_batches", "checkpoint.interval",
-                "checkpoint.keep_last", "data.max_tokens", "export.sample_tokens", "export.temperature",
-                "export.top_k", "num_threads"):
-        check(_get(cfg, key) >= 0, f"{key} must be >= 0, got {_get(cfg, key)}")
-    check(o.lr > 0 and o.min_lr <= o.lr, f"need 0 < optim.lr and optim.min_lr <= optim.lr, got {o.lr}, {o.min_lr}")
-    check(o.lr_decay_steps == 0 or o.lr_decay_steps > o.warmup_steps,
-          f"optim.lr_decay_steps {o.lr_decay_steps} must come after optim.warmup_steps {o.warmup_steps} "
-          "(the cosine decays from the end of the warmup), or be 0 to decay until train.max_steps")
-    check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
-    check(o.lr <= _FLOAT32_MAX * (1 - o.beta1), f"optim.lr {o.lr} is too large: AdamW's first step moves by up to "
-          f"lr / (1 - optim.beta1) = {o.lr / (1 - o.beta1):.3g}, beyond float32's range")
-    check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
-    check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")
-    check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
-    check(d.eval_fraction > 0 or not cfg.eval.interval, "eval.interval: data.eval_fraction = 0 holds out no "
-          "sequences, so there is nothing to evaluate; raise data.eval_fraction, or set eval.interval = 0")
-    check(t.batch_size % p.num_microbatches == 0,
-          f"train.batch_size {t.batch_size} is not divisible by pipeline.num_microbatches {p.num_microbatches}: "
-          "each pipeline step splits the batch into equal microbatches")
-    with as_config_error("pipeline.schedule"):
-        build_schedule(p.schedule, world_size, p.num_microbatches)
-    if cfg.hf_model:
-        check(Path(cfg.hf_model).is_dir(), f"hf_model {cfg.hf_model} is not a directory")
-        named = [f"model.{f.name}" for f in fields(ModelConfig) if getattr(cfg.model, f.name) != f.default]
-        check(not named, f"{', '.join(named)} cannot be set with hf_model: its shape comes from its config.json")
-        seq_max = _hf_config(cfg).get("max_position_embeddings")
-        check(seq_max is None or d.seq_len <= seq_max,
-              f"data.seq_len {d.seq_len} exceeds the max_position_embeddings {seq_max} of hf_model {cfg.hf_model}")
-    else:
-        seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings
-        check(d.seq_len <= seq_max, f"data.seq_len {d.seq_len} exceeds model.max_position_embeddings {seq_max}")
-    layers = num_layers(cfg)
-    with as_config_error("pipeline.layer_counts" if p.layer_counts else "the number of ranks"):
-        if p.layer_counts:
-            check_layer_counts(p.layer_counts, layers, world_size)
-        else:  # the even split, which refuses more stages than layers as the balanced one does
-            balanced_layer_counts(layers, world_size)
 
 
 def to_toml(cfg: Config) -> str:

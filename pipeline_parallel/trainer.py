@@ -17,7 +17,8 @@ from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from .batch import differences
 from .checkpoint import DamagedCheckpointError, load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
-from .config import Config, ConfigError, as_config_error, llama_config, settings, to_toml, validate
+from .config import Config, ConfigError, as_config_error, settings, to_toml
+from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, export_command, hf_config_dict,
                      keep_run_tokenizer, load_hf_weights)

@@ -25,7 +25,8 @@ from _dist import _free_port, run_distributed
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel._dir_lock import lock_dir
 from pipeline_parallel.bpe import train_bpe
-from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, validate, with_overrides
+from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, with_overrides
+from pipeline_parallel.config_checks import validate
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
 from pipeline_parallel.tokenizer import load_tokenizer
