@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ._checkpoint_files import differences
-from ._files import atomic_write, fsync_dir
+from ._files import atomic_write, replace_dir
 from .comm import PipeComm
 
 CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
@@ -55,14 +55,9 @@ def next_save_order(ckpt_dir: Path) -> int:
 
 def commit(tmp: Path, final: Path) -> None:
     """Publish a fully written checkpoint: rename it into place, then move `latest`."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # re-saving a step after resuming from an older checkpoint
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    # A step exists already when re-saved after resuming from an older checkpoint; a crash may leave it at .old.
+    replace_dir(tmp, final, aside=final.with_name(final.name + ".old"))
     atomic_write(final.parent / LATEST, final.name + "\n")
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:

@@ -25,6 +25,24 @@ def temporary_dir(path: Path) -> Path:
     return tmp
 
 
+def replace_dir(tmp: Path, path: Path, aside: Path | None = None) -> None:
+    """Rename the filled directory `tmp` onto `path`. What `path` held is moved `aside` first (default: a
+    hidden name of this host and process beside `path`, so no one's directory) and removed last, so an
+    interruption at any moment leaves a whole directory at `path`, the old or the new; a crash between the
+    two renames leaves the old one at `aside`."""
+    aside = aside or path.with_name(temporary_path(path).name.removesuffix(".tmp") + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        if path.exists():
+            os.replace(path, aside)
+        os.replace(tmp, path)
+    finally:
+        if aside.exists() and not path.exists():  # interrupted between the renames: the old one goes back
+            os.replace(aside, path)
+        fsync_dir(path.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write `text` to `path` (UTF-8) through a `temporary_path`, then rename it into place: readers
     see the old content or the new, also after a crash."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._files import temporary_dir
+from ._files import replace_dir, temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.decoder import hf_float32, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
@@ -160,12 +160,11 @@ def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
     copy = Path(run_dir) / TOKENIZER_DIR
     fresh = temporary_dir(copy)
     try:
-        if given is not None:
-            given.save(fresh)
-        if copy.is_dir():
+        if given is None and copy.is_dir():
             shutil.rmtree(copy)
-        if given is not None:
-            fresh.rename(copy)
+        elif given is not None:
+            given.save(fresh)
+            replace_dir(fresh, copy)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # left only by a failed save
 
@@ -212,8 +211,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     tmp = temporary_dir(out_dir)
     try:
         _write_hf_model(model, tokenizer, tmp, dtype, source)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
+        replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # left only by a failure
     return out_dir

@@ -286,8 +286,8 @@ def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
         save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=2)
     real_replace = os.replace
 
-    def crash_on_rename_into_place(src, dst):  # step 2 is already moved aside to step_000002.old
-        if str(src).endswith("step_000002.tmp"):
+    def crash_on_rename_into_place(src, dst):  # step 2 is already moved aside to step_000002.old, and a crash
+        if str(src).endswith(("step_000002.tmp", "step_000002.old")):  # leaves it there: no putting it back
             raise OSError("simulated crash")
         real_replace(src, dst)
 
@@ -295,9 +295,10 @@ def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="simulated crash"):  # e.g. re-saving step 2 after resuming from step 1
         save_checkpoint(tmp_path, 2, model, opt, {"step": "again"}, keep_last=2)
     monkeypatch.undo()
+    ckpt_dir = tmp_path / "checkpoints"
+    assert (ckpt_dir / "step_000002.old").is_dir() and not (ckpt_dir / "step_000002").exists()
     assert read_extra(latest_checkpoint(tmp_path)) == {"step": 2}  # not step 1
     save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last=2)  # must not drop step 2
-    ckpt_dir = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert load_checkpoint(ckpt_dir / "step_000002", model, opt) == {"step": 2}
 

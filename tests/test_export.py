@@ -437,6 +437,42 @@ def test_export_writes_through_the_temporary_path_of_its_output(tmp_path, monkey
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "run"]
 
 
+@pytest.mark.parametrize("renamed", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("rename", [1, 2], ids=["moving-the-old-aside", "renaming-the-new-in"])
+def test_an_interrupted_export_leaves_a_whole_one_in_place(tmp_path, monkeypatch, rename, renamed):
+    """Ctrl-C raises where it lands: just before or after either rename that replaces an earlier export, the
+    directory holds a whole export, the old or the new, and nothing else is left (it used to delete the old
+    one first, so an interruption there lost both)."""
+    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    out = save_hf_model(model, tok, tmp_path / "hf")
+    old = (out / "model.safetensors").read_bytes()
+    (tmp_path / "hf.old").mkdir()  # someone's directory that happens to bear the name
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        if out in (Path(src), Path(dst)):  # not the writes of files inside
+            calls.append((src, dst))
+        if len(calls) == rename and renamed:
+            real_replace(src, dst)
+        if len(calls) == rename:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf_model(model, tok, out)
+    monkeypatch.undo()
+    new = rename == 2 and renamed
+    assert ((out / "model.safetensors").read_bytes() == old) != new
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) == new
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "hf.old"] and len(calls) >= rename
+
+
 def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):
     """Gemma 2 caps its logits in forward, which a stage would skip: the run stops at once."""
     config = transformers.Gemma2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
