@@ -210,6 +210,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         with _quiet_if_single_process():
             dcp.save(state, storage_writer=writer, process_group=group)
     except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+        _raise_interruption(e)
         failed, (first, _) = next(iter(e.failures.items()))
         raise OSError(f"could not write {tmp} (rank {failed}: {type(first).__name__}: {first}); the previous "
                       "checkpoint is untouched") from None
@@ -220,6 +221,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     if rank == 0 and keep_last > 0:
         rotate(ckpt_dir, final, step, keep_last)
     return final
+
+
+def _raise_interruption(e: CheckpointException) -> None:
+    """Raise the Ctrl-C (or other KeyboardInterrupt) that DCP caught as a rank's failure, on every rank: the
+    save or load was stopped, not broken, and the checkpoint is no more damaged than it was."""
+    for failure, _ in e.failures.values():
+        if isinstance(failure, KeyboardInterrupt):
+            raise failure from None
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
@@ -265,6 +274,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             with _quiet_if_single_process():
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
         except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+            _raise_interruption(e)
             first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
             first = _shortened(first.splitlines()[0])
             raise DamagedCheckpointError(path, f"its tensors cannot be read, or it was saved from another model: "

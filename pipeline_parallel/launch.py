@@ -73,11 +73,25 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    def __reduce__(self):  # as DCP gathers a rank's failure to the others
+        return type(self), (self.signum,)
+
+
+_stops: list[Interrupted] = []  # the stop a signal raised in this process, since stop_signals_raise began
+
+
+def stop_asked() -> Interrupted | None:
+    """The Interrupted a stop signal raised in this process, if one came: also where it was caught on the
+    way (DCP catches everything in a save) or where a peer that stopped at the same signal broke a transfer
+    first, so that the error this rank then ends with is known for the stop's consequence."""
+    return _stops[0] if _stops else None
+
 
 @contextlib.contextmanager
 def stop_signals_raise():
     """Inside, SIGINT and SIGTERM raise `Interrupted`; the handlers before are restored after. A signal
     the launcher ignores (SIGINT in a job started with `&` or nohup) stays ignored."""
+    _stops.clear()
     handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
                 if signal.getsignal(signum) != signal.SIG_IGN}
     try:
@@ -92,7 +106,8 @@ def _on_signal(signum, frame) -> None:
     # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning).
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, _ignore)
-    raise Interrupted(signum)
+    _stops.append(Interrupted(signum))
+    raise _stops[0]
 
 
 def _ignore(signum, frame) -> None:

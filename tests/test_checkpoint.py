@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import time
 import zlib
 from pathlib import Path
@@ -28,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline_parallel import _checkpoint_dirs as ckpt_dirs
 from pipeline_parallel import checkpoint as ckpt
+from pipeline_parallel.launch import Interrupted
 from pipeline_parallel.checkpoint import (
     UnsafeCheckpointError,
     latest_checkpoint,
@@ -301,6 +303,50 @@ def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last=2)  # must not drop step 2
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert load_checkpoint(ckpt_dir / "step_000002", model, opt) == {"step": 2}
+
+
+def _interrupted_on_one_rank_worker(rank, world_size, run_dir):
+    """Step 1 saved; then Ctrl-C lands inside DCP on rank 1, while it saves step 2 and while it loads step 1
+    (DCP catches it as that rank's failure and gathers it to all): what each rank raised, and whether step 1
+    then loads the state it saved."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    save_checkpoint(run_dir, 1, model, opt, {"step": 1}, keep_last=0)
+    want = snapshot(model, opt)
+    raised = {}
+    for name, cls, method in (("save", ckpt.RecordingWriter, "write_data"),
+                              ("load", ckpt.SafeFileSystemReader, "read_data")):
+        real = getattr(cls, method)
+
+        def stopped(self, *args, real=real):
+            if rank == 1:
+                raise Interrupted(signal.SIGINT)
+            return real(self, *args)
+
+        setattr(cls, method, stopped)
+        try:
+            if name == "save":
+                save_checkpoint(run_dir, 2, model, opt, {"step": 2}, keep_last=0)
+            else:
+                load_checkpoint(latest_checkpoint(run_dir), model, opt)
+        except BaseException as e:
+            raised[name] = (type(e).__name__, getattr(e, "signum", None))
+        finally:
+            setattr(cls, method, real)
+    fake_step(model, opt, 7)
+    assert load_checkpoint(latest_checkpoint(run_dir), model, opt) == {"step": 1}
+    got = snapshot(model, opt)
+    same = all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+    return raised, same, sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
+
+
+def test_a_stop_signal_inside_a_save_or_load_is_the_stop_on_every_rank(tmp_path):
+    """DCP catches everything, Ctrl-C too: a save interrupted on one rank ended every rank with "could not write
+    ...; the previous checkpoint is untouched", a load with "checkpoint ... is damaged", and Interrupted did not
+    survive the way between ranks (it did not unpickle)."""
+    for raised, same, names in run_distributed(_interrupted_on_one_rank_worker, 2, str(tmp_path)):
+        assert raised == {"save": ("Interrupted", signal.SIGINT), "load": ("Interrupted", signal.SIGINT)}
+        assert same and names == ["latest", "step_000001", "step_000002.tmp"]  # the next save clears the .tmp
 
 
 def test_tied_embeddings_load_untied(tmp_path):
