@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .checkpoint import latest_checkpoint
 from .config import Config, ConfigError, parse_args
-from .launch import Interrupted, stop_signals_raise, tell_torchrun, world_size
+from .export import export_command
+from .launch import Interrupted, stop_asked, stop_signals_raise, tell_torchrun, world_size
 from .resume import RunComplete
 from .trainer import CheckpointNotSaved, Trainer, TrainingDiverged
 
@@ -22,14 +23,26 @@ def run(cfg: Config) -> list[dict]:
     trainer = Trainer(cfg)
     try:
         return trainer.fit()
-    except Interrupted as stop:  # for its message: run_dir's newest may be a checkpoint this run abandoned
-        stop.checkpoint = trainer.checkpoint
+    except BaseException as error:  # for the stop's message: run_dir's newest may be a checkpoint this run abandoned
+        stop = _stop_behind(error)
+        if stop is not None:
+            stop.checkpoint, stop.trained = trainer.checkpoint, trainer.trained
         raise
+
+
+def _stop_behind(error: BaseException) -> Interrupted | None:
+    """The stop signal `error` comes of: itself, or (for an error that is no failure of the run's own) the
+    one this rank got before, which a peer stopping at the same signal or a library catching it turned
+    into this error; None if there was none."""
+    if isinstance(error, Interrupted):
+        return error
+    return None if isinstance(error, (*_FAILURES, SystemExit)) else stop_asked()
 
 
 def _interrupted(cfg: Config, stop: Interrupted) -> str:
     """The one line an interrupted run ends with: the checkpoint it resumed from or saved last (if it
-    stopped while starting, the one it was to resume from), and how to resume from it."""
+    stopped while starting, the one it was to resume from), and how to resume from it; or, stopped after
+    its last step was saved (while exporting), how to export that."""
     if hasattr(stop, "checkpoint"):  # set by run() once the Trainer was built
         checkpoint = stop.checkpoint
     elif cfg.resume not in ("auto", "latest", "never"):
@@ -39,7 +52,11 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
             checkpoint = latest_checkpoint(cfg.run_dir)
         except ValueError:  # a damaged one: the next start names it
             checkpoint = None
-    if checkpoint is None:
+    if getattr(stop, "trained", False):  # while exporting or sampling
+        where = f"training had ended, and {checkpoint} holds its last step"
+        if cfg.export.at_end:
+            where += f"; to export it: {export_command(checkpoint)}"
+    elif checkpoint is None:
         where = "it saved no checkpoint yet, so the same command starts it again"
     elif cfg.resume in ("auto", "latest"):
         where = (f"run the same command to resume from its latest checkpoint, {checkpoint} (steps after it are "
@@ -90,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     except (*_FAILURES, Interrupted) as e:
         stop = e
+    except Exception as e:
+        stop = _stop_behind(e)
+        if stop is None:
+            raise
     else:
         return
     if isinstance(stop, Interrupted) and isinstance(stop.__context__, _FAILURES):

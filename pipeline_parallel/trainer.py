@@ -84,6 +84,7 @@ class Trainer:
         self.owns_group = join_group(cfg)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.trained = False  # all steps done and saved: what is left is finish()
         # Waits on one rank's long work (data, export) go through a group of their own with a long timeout.
         self._patient = PipeComm(dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None)
         _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
@@ -315,6 +316,7 @@ class Trainer:
             if (cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0) or last:
                 self.save()
         bar.close()
+        self.trained = True
         self.finish()
         return records
 

@@ -377,10 +377,22 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def _stop_caught_then_a_transfer_broken(signum):
+    """The signal's exception caught on the way (DCP's save catches everything), then the error of a transfer
+    the peer, stopped by the same signal, broke by leaving."""
+    try:
+        _stop_by_signal(signum)
+    except BaseException:
+        pass
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7402")
+
+
+@pytest.mark.parametrize("stop", [_stop_by_signal, _stop_caught_then_a_transfer_broken], ids=["raised", "caught"])
 def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus, tmp_path, monkeypatch, capsys,
-                                                                    terminal_signals):
+                                                                    terminal_signals, stop):
     """A run started with --resume of an older checkpoint, stopped before it saved one, named run_dir's
-    newest, of the run it abandoned: the --resume latest it advised went back to that run."""
+    newest, of the run it abandoned: the --resume latest it advised went back to that run. Where the stop's
+    exception was caught and a broken transfer followed, the rank ended with that error's traceback."""
     run_dir, config = tmp_path / "run", tmp_path / "run.toml"
     shutil.copytree(runs[1], run_dir)  # step_000003, and the step_000006 to abandon
     start = run_dir / "checkpoints" / "step_000003"
@@ -392,7 +404,7 @@ def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus
         def train_step(self, stop_at=stop_at):
             record = real_step(self)
             if self.step == stop_at:
-                _stop_by_signal(signal.SIGTERM)
+                stop(signal.SIGTERM)
             return record
 
         monkeypatch.setattr(Trainer, "train_step", train_step)
@@ -402,6 +414,22 @@ def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus
         assert exit_info.value.code == 128 + signal.SIGTERM
         err = capsys.readouterr().err
         assert re.fullmatch(rf"interrupted by SIGTERM: {said}\n", err), err
+
+
+def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp_path, monkeypatch, capsys,
+                                                                     terminal_signals):
+    """Stopped while exporting at the end, it advised to resume; the same command then said the run was complete."""
+    import pipeline_parallel.trainer as trainer_module
+
+    config = tmp_path / "run.toml"
+    config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"export.at_end": True})))
+    monkeypatch.setattr(trainer_module, "export", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(config)])
+    assert exit_info.value.code == 128 + signal.SIGINT
+    last = tmp_path / "run" / "checkpoints" / "step_000006"
+    assert capsys.readouterr().err == (f"interrupted by SIGINT: training had ended, and {last} holds its last step; "
+                                       f"to export it: python -m pipeline_parallel.export {last}\n")
 
 
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
