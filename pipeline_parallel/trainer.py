@@ -357,6 +357,10 @@ class Trainer:
             # the training stands, saved
             tqdm.write(f"export skipped: {e}. Export the checkpoint with: {export_command(self.checkpoint, 'DIR')}")
             return
+        except OSError as e:  # a full disk, a directory made read-only: the training stands, saved
+            tqdm.write(f"export failed: {e}; the training is saved: make room or fix the directory, then export the "
+                       f"checkpoint with: {export_command(self.checkpoint)}")
+            return
         tqdm.write(f"Hugging Face model: {out}")
         if cfg.export.sample_tokens:
             text = sample(model, tok, cfg.export.prompt, cfg.export.sample_tokens, cfg.export.temperature,

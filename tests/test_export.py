@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -583,6 +584,25 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
     assert "export skipped: " in out and "python -m pipeline_parallel.export " in out
     assert (tmp_path / "run" / "export" / "notes.md").read_text() == "mine"
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+
+
+def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(corpus, tmp_path, capsys, monkeypatch):
+    """A full disk while exporting ended the finished, saved run with a traceback on the last rank."""
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
+                                                 "export.sample_tokens": 0})
+    Trainer(cfg).fit()
+    last = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "export failed: [Errno 28] No space left on device; the training is saved: make room or fix the directory, "
+        f"then export the checkpoint with: python -m pipeline_parallel.export {last}")
+    assert latest_checkpoint(tmp_path / "run") == last
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(("export", ".export"))) == []
 
 
 def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus, tmp_path, capsys):
