@@ -8,6 +8,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from ._files import atomic_write
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -21,14 +23,17 @@ class MetricsLogger:
     """Appends one JSON object per line to run_dir/metrics.jsonl, and to TensorBoard when installed.
 
     On a resumed run the lines after the resumed step are dropped first (they were logged by the
-    interrupted run after its last checkpoint), so the file always reads as one run.
+    interrupted run after its last checkpoint), so the file always reads as one run. A line that cannot
+    be written (a full disk) ends the writing, with `error` set, so that no record follows a hole: the
+    trainer stops before its next checkpoint, and the resumed run logs those steps again.
     """
 
     def __init__(self, run_dir: str | Path, start_step: int = 0, tensorboard: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step] if start_step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a full disk keeps the old records
         self.file = open(self.path, "a")
+        self.error: OSError | None = None
         self.tb = None
         if tensorboard:
             try:
@@ -39,15 +44,22 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        if self.error is None:
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:
+                self.error = e
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # what the failed flush left in the buffer; `error` holds why
+            pass
         if self.tb is not None:
             self.tb.close()
 

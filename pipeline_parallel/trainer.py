@@ -4,6 +4,7 @@ checkpoints and exports on schedule."""
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 import time
 from datetime import timedelta
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
+from ._files import atomic_write
 from .batch import differences
 from .checkpoint import DamagedCheckpointError, load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
@@ -191,9 +193,18 @@ class Trainer:
             self._resume(path)
         elif cfg.hf_model:
             load_hf_weights(self.pipe.model, cfg.hf_model)
-        if self.rank == 0:  # only once the checkpoint was accepted: a refused resume leaves the run as it was
-            (self.run_dir / CONFIG_FILE).write_text(to_toml(cfg))
-            keep_run_tokenizer(self.run_dir, self.data.tokenizer if _given_tokenizer(cfg) else None)
+
+        def record_start() -> None:  # only once the checkpoint was accepted: a refused resume leaves the run as it was
+            if self.rank != 0:
+                return
+            try:
+                atomic_write(self.run_dir / CONFIG_FILE, to_toml(cfg))
+                keep_run_tokenizer(self.run_dir, self.data.tokenizer if _given_tokenizer(cfg) else None)
+            except OSError as e:
+                raise OSError(f"could not write the run's settings into {self.run_dir} ({e.strerror or e}"
+                              f"{_room(self.run_dir)}); make room or fix the directory") from e
+
+        self._agreed(record_start, "recording the start", faults=(OSError,))
 
     def _resume(self, path: Path) -> None:
         """Load `path` after checking it was trained on this model, tokenizer and data."""
@@ -269,7 +280,14 @@ class Trainer:
         return self.pipe.comm.all_reduce(torch.tensor([float(bad)], device=self.pipe.device)).item() == 0
 
     def save(self) -> None:
-        """Checkpoint this step; refuse weights an update made infinite or NaN, which no resume could use."""
+        """Checkpoint this step; refuse weights an update made infinite or NaN, which no resume could use, and
+        stop instead if the metrics since the last save could not be written: resuming logs them again."""
+        then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
+        try:
+            self._agreed(self._metrics_written, "writing the metrics", faults=(OSError,))
+        except ConfigError as e:
+            raise CheckpointNotSaved(f"step {self.step}: {e}{_room(self.run_dir)}; make room or fix the directory, "
+                                     f"then {then}") from None
         if not self._weights_finite():
             raise self._diverged(f"step {self.step}: its update made weights that are not finite (its loss and "
                                  "gradients were); nothing was saved")
@@ -281,8 +299,13 @@ class Trainer:
             self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
                                               self.cfg.checkpoint.keep_last)
         except OSError as e:  # on every rank alike: a full disk, a directory that became read-only
-            then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
-            raise CheckpointNotSaved(f"step {self.step}: {e}; make room or fix the directory, then {then}") from e
+            raise CheckpointNotSaved(f"step {self.step}: {e}{_room(self.run_dir)}; make room or fix the directory, "
+                                     f"then {then}") from e
+
+    def _metrics_written(self) -> None:
+        if self.metrics is not None and self.metrics.error is not None:
+            e = self.metrics.error
+            raise OSError(f"could not write {self.metrics.path} ({e.strerror or e}); no checkpoint was saved")
 
     def fit(self) -> list[dict]:
         """Train to max_steps, evaluating and checkpointing on schedule; returns the logged records."""
@@ -366,6 +389,16 @@ class Trainer:
             text = sample(model, tok, cfg.export.prompt, cfg.export.sample_tokens, cfg.export.temperature,
                           cfg.export.top_k, cfg.seed)
             tqdm.write(f"sample:\n{text}")
+
+
+def _room(path: Path) -> str:
+    """How much room is left on `path`'s disk, for a message on a failed write: a full disk often fails
+    with words that do not say so (torch's "unexpected pos 704 vs 598")."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; {free / 2**30:,.1f} GB free on its disk" if free >= 2**30 else f"; {free / 2**20:,.1f} MB free on its disk"
 
 
 def accum_tokens(cfg: Config) -> int:

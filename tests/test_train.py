@@ -871,12 +871,79 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_message(c
     (shards0, publish0), (shards1, publish1) = run_distributed(_saves_failing, 2, cfgs)
     assert shards0 == shards1 and publish0 == publish1
     assert re.fullmatch(r"step 1: could not write .*shards/checkpoints/step_000001.tmp \(rank 1: OSError: \[Errno 28\] "
-                        r"No space left on device\); the previous checkpoint is untouched; make room or fix the "
-                        r"directory, then start again", shards0), shards0
+                        rf"No space left on device\); the previous checkpoint is untouched{_ROOM}; make room or fix "
+                        r"the directory, then start again", shards0), shards0
     assert re.fullmatch(r"step 1: could not publish .*publish/checkpoints/step_000001 \(OSError: \[Errno 28\] No "
-                        r"space left on device\); the previous checkpoint is untouched; make room or fix the "
+                        rf"space left on device\); the previous checkpoint is untouched{_ROOM}; make room or fix the "
                         r"directory, then start again", publish0), publish0
     assert ckpt.latest_checkpoint(tmp_path / "shards") is None and ckpt.latest_checkpoint(tmp_path / "publish") is None
+
+
+def _settings_unwritable_on_rank_0(rank, world_size, cfg):
+    import pipeline_parallel.trainer as trainer_module
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:  # which writes config.toml
+        trainer_module.atomic_write = no_room
+    with pytest.raises(ConfigError) as raised:
+        Trainer(cfg)
+    return str(raised.value)
+
+
+def test_a_start_that_cannot_record_its_settings_stops_every_rank_with_one_message(corpus, tmp_path):
+    """Rank 0 ended alone with a traceback (and the others with "Connection closed by peer")."""
+    said0, said1 = run_distributed(_settings_unwritable_on_rank_0, 2, make_cfg(tmp_path, corpus))
+    assert said0 == said1
+    assert re.fullmatch(rf"could not write the run's settings into {tmp_path} \(No space left on device{_ROOM}\); "
+                        "make room or fix the directory", said0), said0
+
+
+_ROOM = r"; [\d,]+\.\d [MG]B free on its disk"  # a full disk does not always say so: torch's "unexpected pos 704 vs 598"
+
+
+class _FullFrom:
+    """A metrics file on a disk that is full for the records of `step` and after, until `room` is made."""
+
+    def __init__(self, file, step: int):
+        self.file, self.step, self.room = file, step, False
+
+    def write(self, text: str) -> int:
+        if json.loads(text)["step"] >= self.step and not self.room:
+            raise OSError(28, "No space left on device")
+        return self.file.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def _metrics_failing(rank, world_size, cfgs):
+    """An uninterrupted run; then one whose metrics cannot be written from step 3 on (rank 1 writes them),
+    resumed once there is room again: what stopped it, and each run's logged losses."""
+    whole, full = cfgs
+    run(whole)
+    trainer = Trainer(full)
+    if trainer.metrics is not None:
+        trainer.metrics.file = _FullFrom(trainer.metrics.file, step=3)
+    with pytest.raises(CheckpointNotSaved) as raised:
+        trainer.fit()
+    run(full)
+    return str(raised.value)
+
+
+def test_metrics_that_cannot_be_written_stop_every_rank_before_the_next_checkpoint(corpus, tmp_path):
+    """The rank writing the metrics ended alone with a traceback, and the others with "Connection closed by peer";
+    stopping before the next checkpoint instead lets the resumed run log the lost steps again."""
+    cfgs = [make_cfg(tmp_path / name, corpus, **{"checkpoint.interval": 2}) for name in ("whole", "full")]
+    said0, said1 = run_distributed(_metrics_failing, 2, cfgs)
+    assert said0 == said1
+    assert re.fullmatch(r"step 4: rank 1: could not write .*full/metrics.jsonl \(No space left on device\); no "
+                        rf"checkpoint was saved{_ROOM}; make room or fix the directory, then resume from "
+                        r".*full/checkpoints/step_000002", said0), said0
+    whole, full = tmp_path / "whole", tmp_path / "full"
+    assert _losses(full) == _losses(whole) and _losses(full, "eval_loss") == _losses(whole, "eval_loss")
+    assert [r["step"] for r in read_metrics(full / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def _overflow_at_step_2(rank, world_size, cfg):
