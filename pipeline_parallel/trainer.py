@@ -365,8 +365,11 @@ class Trainer:
         cfg = self.cfg
         self.metrics.close()
         if cfg.log.plot:
-            how = plot_loss(self.metrics.path, self.run_dir / PLOT_FILE)
-            tqdm.write(f"loss curve ({how}): {self.run_dir / PLOT_FILE}")
+            try:
+                how = plot_loss(self.metrics.path, self.run_dir / PLOT_FILE)
+                tqdm.write(f"loss curve ({how}): {self.run_dir / PLOT_FILE}")
+            except OSError as e:  # a full disk: the training stands, saved, and the export may still fit
+                tqdm.write(f"loss curve not drawn: {e}{_room(self.run_dir)}")
         tqdm.write(f"checkpoint: {self.checkpoint}")
         if not cfg.export.at_end:
             return

@@ -587,18 +587,25 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
 
 
 def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(corpus, tmp_path, capsys, monkeypatch):
-    """A full disk while exporting ended the finished, saved run with a traceback on the last rank."""
+    """A full disk while drawing the loss curve or exporting ended the finished, saved run with a traceback on the
+    last rank."""
     import safetensors.torch
+
+    import pipeline_parallel.trainer as trainer_module
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(trainer_module, "plot_loss", full)
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
-                                                 "export.sample_tokens": 0})
+                                                 "export.sample_tokens": 0, "log.plot": True})
     Trainer(cfg).fit()
     last = tmp_path / "run" / "checkpoints" / "step_000001"
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    said = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"loss curve not drawn: \[Errno 28\] No space left on device; [\d,]+\.\d [MG]B free on its disk",
+                        said[-3]), said
+    assert said[-1] == (
         "export failed: [Errno 28] No space left on device; the training is saved: make room or fix the directory, "
         f"then export the checkpoint with: python -m pipeline_parallel.export {last}")
     assert latest_checkpoint(tmp_path / "run") == last
