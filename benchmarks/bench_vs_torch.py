@@ -39,7 +39,8 @@ from torch import nn
 import pipeline_parallel as pp
 from pipeline_parallel.loss import loss_sum
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
-from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
+from pipeline_parallel.models.decoder import DecoderParts
+from pipeline_parallel.models.materialize import keep_local_part
 from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
 from pipeline_parallel.schedules import SCHEDULES, Action, Kind, lower, makespan, simulate
 

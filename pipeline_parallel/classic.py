@@ -9,7 +9,8 @@ from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
 from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, model_settings,
-                             tied_weight_end, weights_on_meta)
+                             tied_weight_end)
+from .models.materialize import weights_on_meta
 from .partition import balanced_layer_counts, layer_ranges
 from .pipeline import planning_costs, rank_program
 from .runtime import StepData, run_step

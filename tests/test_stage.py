@@ -6,7 +6,8 @@ import pytest
 import torch
 from _models import build, make_batch
 
-from pipeline_parallel.models.decoder import DecoderParts, keep_local_part
+from pipeline_parallel.models.decoder import DecoderParts
+from pipeline_parallel.models.materialize import keep_local_part
 from pipeline_parallel.stage import PipelineStage
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .llama import seed_for_name
 
 
 @dataclass
@@ -202,7 +201,7 @@ def check_layout(model: nn.Module) -> None:
             "pass the whole model, built anew or loaded from a checkpoint"
         )
     _check_vocab_rows(model)
-    if not _is_hf_config(model.config):
+    if not is_hf_config(model.config):
         return
     model_type = str(getattr(model.config, "model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -240,7 +239,7 @@ def attention_kind(config, layer_idx: int) -> str:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return layer_types[layer_idx]
-    if _is_hf_config(config) and getattr(config, "sliding_window", None) is not None:
+    if is_hf_config(config) and getattr(config, "sliding_window", None) is not None:
         return "sliding_attention"
     return "full_attention"
 
@@ -252,7 +251,7 @@ def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, slidin
     attention implementation (sdpa, eager, flex) gets the mask it would get in the unpipelined
     model; `None` for our own Llama, whose attention is causal by construction.
     """
-    if not _is_hf_config(config):
+    if not is_hf_config(config):
         return None
     from transformers import masking_utils
 
@@ -279,7 +278,8 @@ def _check_vocab_rows(model: nn.Module) -> None:
         )
 
 
-def _is_hf_config(config) -> bool:
+def is_hf_config(config) -> bool:
+    """Whether `config` is a Hugging Face one (else our own Llama's)."""
     try:
         from transformers import PretrainedConfig
     except ImportError:
@@ -293,105 +293,3 @@ def _mask_params() -> frozenset[str]:
     from transformers.masking_utils import create_causal_mask
 
     return frozenset(inspect.signature(create_causal_mask).parameters)
-
-
-def keep_local_part(model: nn.Module, layer_indices: range, first: bool, last: bool) -> None:
-    """Release every part of `model` a stage does not own, keeping original parameter names.
-
-    `model.layers` becomes a ModuleDict keyed by the original indices, so the stage's state dict
-    still says `model.layers.5.mlp.up_proj.weight` and checkpoints map 1:1 onto the full model.
-    """
-    check_layout(model)
-    inner = model.model
-    layers = inner.layers
-    inner.layers = nn.ModuleDict(
-        {str(i): layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)] for i in layer_indices}
-    )
-    if not first:
-        inner.embed_tokens = None
-    if not last:
-        inner.norm = None
-        model.lm_head = None
-
-
-def weights_on_meta(model: nn.Module) -> bool:
-    """Whether `model`'s weights are yet to be made: True if every parameter is on the `meta` device.
-
-    Raises if only some are (the rest would be silently re-initialised), or if a buffer other than
-    the rotary tables, which are recomputed from the config, is on meta while the weights are not
-    (a Hugging Face model on meta has its buffers made by its `_init_weights`, as Gemma's scale).
-    """
-    params = list(model.named_parameters())
-    on_meta = [name for name, p in params if p.is_meta]
-    if on_meta and len(on_meta) < len(params):
-        raise ValueError(
-            f"{len(on_meta)} of the model's {len(params)} parameters are on the meta device (e.g. {on_meta[0]}) "
-            "but the rest hold values; load every weight (load_state_dict(..., assign=True) with a full state "
-            "dict) or build the whole model on meta, and the pipeline initialises its own part"
-        )
-    buffers = _meta_buffers(model)
-    if buffers and not (on_meta and _is_hf_config(model.config)):
-        raise ValueError(f"buffer {buffers[0]} is on the meta device and the pipeline cannot recompute it; "
-                         "give the model with its buffers allocated")
-    return bool(on_meta)
-
-
-def _meta_buffers(model: nn.Module) -> list[str]:
-    """The names of the model's buffers on the meta device, other than the rotary tables."""
-    rotary = {id(b) for b in model.model.rotary_emb.buffers()}
-    return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
-
-
-def _random_state_kept():
-    """Restores the global random state afterwards: Hugging Face's `_init_weights` draws from it, seeded per
-    module here, and the caller's seed must still decide what comes after (dropout, shuffling, sampling)."""
-    return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else [])
-
-
-def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weights: bool = True) -> None:
-    """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
-
-    With every parameter on meta (see `weights_on_meta`), all are made: our own Llama initialises
-    each parameter from (seed, name) and Hugging Face models each module with their own
-    `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
-    input/output embeddings stay one matrix. With `init_weights=False` (a checkpoint will fill the
-    weights) only the modules holding a buffer on meta are initialised, for that buffer.
-    Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
-    """
-    inner = model.model
-    if weights_on_meta(model):
-        tied = inner.embed_tokens is not None and model.lm_head is not None and \
-            model.lm_head.weight is inner.embed_tokens.weight
-        buffers = _meta_buffers(model)
-        model.to_empty(device=device)  # unties shared parameters
-        if tied:
-            model.lm_head.weight = inner.embed_tokens.weight
-        with torch.no_grad(), _random_state_kept():
-            for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
-                if model.get_buffer(name).is_floating_point():
-                    model.get_buffer(name).fill_(float("nan"))
-            if not init_weights:  # only what computes a buffer no checkpoint holds, such as Gemma's scale
-                owners = {name.rpartition(".")[0] for name in buffers}
-                for name, module in model.named_modules():
-                    if name in owners and hasattr(model, "_init_weights"):
-                        model._init_weights(module)
-            elif hasattr(model, "init_weights") and not _is_hf_config(model.config):
-                model.init_weights(seed)
-            else:  # each module from (seed, its name): the layers differ, whatever the split
-                skip = (inner.rotary_emb, model.lm_head if tied else None)  # a tied head is the embedding
-                for name, module in model.named_modules():
-                    if not any(module is m for m in skip):
-                        torch.manual_seed(seed_for_name(seed, name))
-                        model._init_weights(module)
-        missed = [name for name in buffers if model.get_buffer(name).isnan().any()]
-        if missed:
-            raise ValueError(f"buffer {missed[0]} was on the meta device and the model's _init_weights does not "
-                             "compute it; give the model with its buffers allocated")
-    elif not any(b.is_meta for b in inner.rotary_emb.buffers()):
-        return
-    rotary = inner.rotary_emb
-    if hasattr(rotary, "reset_inv_freq"):
-        rotary.reset_inv_freq(device)
-    else:
-        with torch.device(device):  # HF rotary tables are computed in __init__
-            inner.rotary_emb = type(rotary)(config=model.config)
