@@ -68,6 +68,16 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def room_note(path: Path) -> str:
+    """"; N GB free on its disk" for `path`, to add to a message on a failed write: a full disk often fails with
+    words that do not say so (torch's "unexpected pos 704 vs 598"); "" where that cannot be told."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f"; {free / 2**30:,.1f} GB free on its disk" if free >= 2**30 else f"; {free / 2**20:,.1f} MB free on its disk"
+
+
 _CHUNK = 1 << 20  # bytes hashed at a time: a file of any size is streamed, never held whole
 
 

@@ -1,10 +1,9 @@
-"""The Trainer: builds this rank's stage, data and optimizer (resuming if asked), then trains, evaluates,
-checkpoints and exports on schedule."""
+"""The Trainer: builds this rank's stage, data and optimizer (resuming if asked), then trains, evaluates and
+checkpoints on schedule, and ends with run_end's report."""
 
 from __future__ import annotations
 
 import math
-import shutil
 import tempfile
 import time
 from datetime import timedelta
@@ -15,23 +14,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
-from ._files import atomic_write
+from ._files import atomic_write, room_note
 from .batch import differences
-from .checkpoint import DamagedCheckpointError, load_checkpoint, read_extra, save_checkpoint
+from .checkpoint import load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import Config, ConfigError, as_config_error, settings, to_toml
 from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, export, export_command, hf_config_dict,
-                     keep_run_tokenizer, load_hf_weights)
-from .generate import sample
+from .export import EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_dict, keep_run_tokenizer, load_hf_weights
 from .launch import join_group, setup_device, world_size
-from .metrics import PLOT_FILE, MetricsLogger, bubble_fraction, plot_loss
+from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
 from .models.decoder import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume
+from .run_end import report_run_end
 from .tokenizer_identity import tokenizer_record
 
 CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
@@ -202,7 +200,7 @@ class Trainer:
                 keep_run_tokenizer(self.run_dir, self.data.tokenizer if _given_tokenizer(cfg) else None)
             except OSError as e:
                 raise OSError(f"could not write the run's settings into {self.run_dir} ({e.strerror or e}"
-                              f"{_room(self.run_dir)}); make room or fix the directory") from e
+                              f"{room_note(self.run_dir)}); make room or fix the directory") from e
 
         self._agreed(record_start, "recording the start", faults=(OSError,))
 
@@ -286,7 +284,7 @@ class Trainer:
         try:
             self._agreed(self._metrics_written, "writing the metrics", faults=(OSError,))
         except ConfigError as e:
-            raise CheckpointNotSaved(f"step {self.step}: {e}{_room(self.run_dir)}; make room or fix the directory, "
+            raise CheckpointNotSaved(f"step {self.step}: {e}{room_note(self.run_dir)}; make room or fix the directory, "
                                      f"then {then}") from None
         if not self._weights_finite():
             raise self._diverged(f"step {self.step}: its update made weights that are not finite (its loss and "
@@ -299,7 +297,7 @@ class Trainer:
             self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
                                               self.cfg.checkpoint.keep_last)
         except OSError as e:  # on every rank alike: a full disk, a directory that became read-only
-            raise CheckpointNotSaved(f"step {self.step}: {e}{_room(self.run_dir)}; make room or fix the directory, "
+            raise CheckpointNotSaved(f"step {self.step}: {e}{room_note(self.run_dir)}; make room or fix the directory, "
                                      f"then {then}") from e
 
     def _metrics_written(self) -> None:
@@ -354,54 +352,13 @@ class Trainer:
         solo = dist.new_group([self.pipe.comm.global_ranks[-1]], backend="gloo") if dist.is_initialized() else None
         try:
             if self.reporter:
-                self._report(solo)
+                self.metrics.close()
+                report_run_end(self.cfg, self.metrics.path, self.checkpoint, solo)
         finally:
             self._patient.all_gather_object(None)  # a barrier: the others wait for the export, so the group outlives it
         unlock_dir(self.run_dir)
         if self.owns_group:
             dist.destroy_process_group()
-
-    def _report(self, group) -> None:
-        cfg = self.cfg
-        self.metrics.close()
-        if cfg.log.plot:
-            try:
-                how = plot_loss(self.metrics.path, self.run_dir / PLOT_FILE)
-                tqdm.write(f"loss curve ({how}): {self.run_dir / PLOT_FILE}")
-            except OSError as e:  # a full disk: the training stands, saved, and the export may still fit
-                tqdm.write(f"loss curve not drawn: {e}{_room(self.run_dir)}")
-        tqdm.write(f"checkpoint: {self.checkpoint}")
-        if not cfg.export.at_end:
-            return
-        try:
-            out, model, tok = export(self.checkpoint, self.run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
-        except DamagedCheckpointError as e:  # since it was saved: the command to export the intact one it names
-            again = e.advising(lambda earlier: f"export an earlier one with: {export_command(earlier, 'DIR')}")
-            tqdm.write(f"export skipped: {again}")
-            return
-        except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start:
-            # the training stands, saved
-            tqdm.write(f"export skipped: {e}. Export the checkpoint with: {export_command(self.checkpoint, 'DIR')}")
-            return
-        except OSError as e:  # a full disk, a directory made read-only: the training stands, saved
-            tqdm.write(f"export failed: {e}; the training is saved: make room or fix the directory, then export the "
-                       f"checkpoint with: {export_command(self.checkpoint)}")
-            return
-        tqdm.write(f"Hugging Face model: {out}")
-        if cfg.export.sample_tokens:
-            text = sample(model, tok, cfg.export.prompt, cfg.export.sample_tokens, cfg.export.temperature,
-                          cfg.export.top_k, cfg.seed)
-            tqdm.write(f"sample:\n{text}")
-
-
-def _room(path: Path) -> str:
-    """How much room is left on `path`'s disk, for a message on a failed write: a full disk often fails
-    with words that do not say so (torch's "unexpected pos 704 vs 598")."""
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return ""
-    return f"; {free / 2**30:,.1f} GB free on its disk" if free >= 2**30 else f"; {free / 2**20:,.1f} MB free on its disk"
 
 
 def accum_tokens(cfg: Config) -> int:

@@ -591,13 +591,13 @@ def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(co
     last rank."""
     import safetensors.torch
 
-    import pipeline_parallel.trainer as trainer_module
+    import pipeline_parallel.run_end as run_end
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    monkeypatch.setattr(trainer_module, "plot_loss", full)
+    monkeypatch.setattr(run_end, "plot_loss", full)
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
                                                  "export.sample_tokens": 0, "log.plot": True})
     Trainer(cfg).fit()
@@ -629,7 +629,7 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
     """The skip's advice named the damaged checkpoint itself as the one to export."""
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 2, "eval.interval": 0, "checkpoint.interval": 1,
                                                  "export.at_end": True, "export.sample_tokens": 0})
-    import pipeline_parallel.trainer as trainer_module
+    import pipeline_parallel.run_end as run_end
 
     def damaging_export(checkpoint, *args, **kwargs):
         shard = next(checkpoint.glob("*.distcp"))
@@ -638,7 +638,7 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
         shard.write_bytes(data)
         return export(checkpoint, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "export", damaging_export)
+    monkeypatch.setattr(run_end, "export", damaging_export)
     Trainer(cfg).fit()
     out = capsys.readouterr().out
     ckpt_dir = tmp_path / "run" / "checkpoints"

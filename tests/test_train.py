@@ -419,11 +419,11 @@ def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus
 def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp_path, monkeypatch, capsys,
                                                                      terminal_signals):
     """Stopped while exporting at the end, it advised to resume; the same command then said the run was complete."""
-    import pipeline_parallel.trainer as trainer_module
+    import pipeline_parallel.run_end as run_end
 
     config = tmp_path / "run.toml"
     config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"export.at_end": True})))
-    monkeypatch.setattr(trainer_module, "export", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
+    monkeypatch.setattr(run_end, "export", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(config)])
     assert exit_info.value.code == 128 + signal.SIGINT
@@ -489,14 +489,15 @@ def test_stages_are_balanced_for_the_training_sequence_length(corpus, tmp_path):
 
 def _slow_rank_worker(rank, world_size, cfg, port):
     """Rank 0 prepares the data and the last rank exports, each for longer than the group's timeout."""
+    import pipeline_parallel.run_end as run_end
     import pipeline_parallel.trainer as trainer
 
     dist.destroy_process_group()  # again, with a timeout shorter than the slow parts
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=4))
-    for name in ("prepare_data", "export"):
-        real = getattr(trainer, name)
-        setattr(trainer, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
+    for module, name in ((trainer, "prepare_data"), (run_end, "export")):
+        real = getattr(module, name)
+        setattr(module, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
     return len(run(cfg))
 
 
