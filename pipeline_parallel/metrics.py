@@ -23,16 +23,18 @@ class MetricsLogger:
     """Appends one JSON object per line to run_dir/metrics.jsonl, and to TensorBoard when installed.
 
     On a resumed run the lines after the resumed step are dropped first (they were logged by the
-    interrupted run after its last checkpoint), so the file always reads as one run. A line that cannot
-    be written (a full disk) ends the writing, with `error` set, so that no record follows a hole: the
-    trainer stops before its next checkpoint, and the resumed run logs those steps again.
+    interrupted run after its last checkpoint), so the file always reads as one run. Lines that cannot
+    be written (a full disk) wait in memory, with `error` set, and go out whole with the next line that
+    can be (part of a line written is taken back); the trainer tries them once more before each
+    checkpoint and stops if they still cannot, so that the resumed run logs those steps again.
     """
 
     def __init__(self, run_dir: str | Path, start_step: int = 0, tensorboard: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step] if start_step else []
         atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a full disk keeps the old records
-        self.file = open(self.path, "a")
+        self.file = open(self.path, "ab", buffering=0)  # each write reaches the file, or fails, at once
+        self.pending: list[bytes] = []
         self.error: OSError | None = None
         self.tb = None
         if tensorboard:
@@ -44,22 +46,32 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def log(self, record: dict) -> None:
-        if self.error is None:
-            try:
-                self.file.write(json.dumps(record) + "\n")
-                self.file.flush()
-            except OSError as e:
-                self.error = e
+        self.pending.append((json.dumps(record) + "\n").encode())
+        self.write_pending()
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
-    def close(self) -> None:
+    def write_pending(self) -> None:
+        """Write the lines waiting to be written; on failure keep them waiting, with `error` saying why."""
+        data, end = b"".join(self.pending), self.file.tell()
         try:
-            self.file.close()
-        except OSError:  # what the failed flush left in the buffer; `error` holds why
-            pass
+            done = 0
+            while done < len(data):  # a raw write may take only part
+                done += self.file.write(data[done:])
+        except OSError as e:
+            self.error = e
+            try:
+                self.file.truncate(end)  # no half line before the next one
+                self.file.seek(end)
+            except OSError:  # a file that cannot be cut: its last line may stay half, which read_metrics allows
+                pass
+        else:
+            self.pending, self.error = [], None
+
+    def close(self) -> None:
+        self.file.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -279,7 +279,7 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint this step; refuse weights an update made infinite or NaN, which no resume could use, and
-        stop instead if the metrics since the last save could not be written: resuming logs them again."""
+        stop instead if the metrics since the last save still cannot be written: resuming logs them again."""
         then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
         try:
             self._agreed(self._metrics_written, "writing the metrics", faults=(OSError,))
@@ -301,7 +301,10 @@ class Trainer:
                                      f"then {then}") from e
 
     def _metrics_written(self) -> None:
-        if self.metrics is not None and self.metrics.error is not None:
+        if self.metrics is None:
+            return
+        self.metrics.write_pending()  # once more: the disk may have room again
+        if self.metrics.pending:
             e = self.metrics.error
             raise OSError(f"could not write {self.metrics.path} ({e.strerror or e}); no checkpoint was saved")
 
