@@ -351,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {again}\n")
     except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable
         parser.exit(2, f"error: {e}\n")
+    except KeyboardInterrupt:  # the output is written aside and renamed in whole (see save_hf_model)
+        parser.exit(130, "interrupted: nothing was exported; the output directory holds what it held before\n")
     print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")
 
 

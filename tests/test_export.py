@@ -19,6 +19,7 @@ from _dist import run_distributed
 from test_train import _fit, _losses, make_cfg
 
 from pipeline_parallel import export as export_module
+from pipeline_parallel import generate as generate_module
 from pipeline_parallel._files import temporary_path
 from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.checkpoint import latest_checkpoint, load_checkpoint
@@ -214,6 +215,28 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         export_main([str(run_dir), "--out", str(tmp_path / "source-model")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
+
+
+def test_ctrl_c_ends_export_and_generate_with_one_line(trained, tmp_path, monkeypatch, capsys):
+    """Both ended with a traceback; an interrupted export leaves the earlier one in place."""
+    run_dir, _ = trained
+    out = export(run_dir, tmp_path / "hf")[0]
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "_write_hf_model", stopped)
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(run_dir), "--out", str(out)])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == "interrupted: nothing was exported; the output directory holds what it held before\n"
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    monkeypatch.setattr(generate_module, "sample", stopped)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(out)])
+    assert exit_info.value.code == 130 and capsys.readouterr().err.endswith("\ninterrupted\n")  # after transformers' bar
 
 
 def test_export_refuses_the_directory_it_is_run_in(trained, tmp_path, monkeypatch, capsys):
