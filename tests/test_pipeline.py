@@ -130,8 +130,11 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
     """What one rank observes running `case`: names, losses, gradients, clipping, evaluation."""
     try:
         model = _build(case, case.meta)
-        if case.reentrant_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        if case.reentrant_checkpointing:  # renamed in transformers 5.24
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         counts = list(case.layer_counts) if case.layer_counts else None
         pipe = pp.Pipeline(model, schedule=case.schedule, num_microbatches=case.m, layer_counts=counts,
                            device="cpu", seed=7, group=group, split=case.split,

@@ -256,9 +256,10 @@ def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, slidin
     from transformers import masking_utils
 
     create = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
-    kwargs = dict(config=config, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    kwargs = dict(config=config, attention_mask=None, position_ids=position_ids)
     params = _mask_params()
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
+    kwargs["cache" if "cache" in params else "past_key_values"] = None  # renamed in transformers 5.24
     if "cache_position" in params:  # transformers < 5
         kwargs["cache_position"] = position_ids[0]
     return create(**kwargs)
@@ -289,7 +290,7 @@ def is_hf_config(config) -> bool:
 
 @functools.cache
 def _mask_params() -> frozenset[str]:
-    """`create_causal_mask`'s argument names, which differ between transformers 4.x and 5.x."""
+    """`create_causal_mask`'s argument names, which differ between transformers versions."""
     from transformers.masking_utils import create_causal_mask
 
     return frozenset(inspect.signature(create_causal_mask).parameters)
