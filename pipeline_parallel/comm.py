@@ -46,6 +46,7 @@ class PipeComm:
 
     def __init__(self, group=None, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+        self.broken_by: str | None = None  # set by a step stopped mid-transfer: see `check_in_step`
         if not (dist.is_available() and dist.is_initialized()):
             self.group, self.pp_rank, self.pp_size, self.global_ranks = None, 0, 1, [0]
             self.prefetch_receives = False
@@ -62,6 +63,16 @@ class PipeComm:
         # as a whole, so an early receive can block the sends queued behind it: post just in time.
         self.prefetch_receives = device_backends(self.group).get(self.device.type) == "gloo"
 
+    def check_in_step(self) -> None:
+        """Refuse to communicate once a step stopped in the middle of its transfers (an interrupt, a failed
+        transfer): its unmatched sends and receives would pair with the next ones, which then hang or
+        carry another microbatch's data."""
+        if self.broken_by is not None:
+            raise RuntimeError(
+                f"an earlier pipeline step stopped in the middle of its transfers ({self.broken_by}), so the "
+                "ranks' transfers are out of step: a further step would hang or mix up microbatches. Start the "
+                "processes again (from a checkpoint, to go on training)")
+
     def post(self, ops: list[tuple[str, torch.Tensor, int]]) -> list:
         """Start sends and receives [("send" | "recv", tensor, peer pp_rank)] together; returns Work handles.
 
@@ -70,6 +81,7 @@ class PipeComm:
         """
         if not ops:
             return []
+        self.check_in_step()
         p2p = [
             dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, self.global_ranks[peer], self.group)
             for op, tensor, peer in ops
@@ -80,6 +92,7 @@ class PipeComm:
         """Every rank's list of ints (same length everywhere), indexed by pp_rank."""
         if self.pp_size == 1:
             return [list(values)]
+        self.check_in_step()
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(local) for _ in range(self.pp_size)]
         dist.all_gather(gathered, local, group=self.group)
@@ -89,6 +102,7 @@ class PipeComm:
         """Every rank's picklable `value`, indexed by pp_rank (for error reports, not for tensors)."""
         if self.pp_size == 1:
             return [value]
+        self.check_in_step()
         values = [None] * self.pp_size
         dist.all_gather_object(values, value, group=self.group)
         return values
@@ -96,6 +110,7 @@ class PipeComm:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the pipeline ranks, in place."""
         if self.pp_size > 1:
+            self.check_in_step()
             dist.all_reduce(tensor, group=self.group)
         return tensor
 

@@ -223,9 +223,11 @@ def run_step(
                 tied_weight.grad = accumulated
             else:
                 tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
-    except BaseException:  # a transfer failed (or an interrupt): the pipeline cannot finish the step
+    except BaseException as e:  # a transfer failed (or an interrupt): the pipeline cannot finish the step
         for stage in stages.values():
             stage.clear()
+        if comm.pp_size > 1:  # transfers of this step may still be posted: no later one can be trusted
+            comm.broken_by = f"{type(e).__name__}: {e}".rstrip(": ")
         raise
     # [loss, failed ranks, frozen ends of a tied weight, ranks with a parameter to train], summed
     outcome = torch.zeros(4, dtype=torch.float64, device=comm.device)

@@ -621,6 +621,44 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and saved == 0
 
 
+def _interrupted_mid_step_worker(rank, world_size):
+    """Ctrl-C lands in both ranks' forwards (rank 0's third, rank 1's second), in the middle of GPipe's transfers;
+    then the program goes on: another step, and a clip."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT))
+    pipe = pp.Pipeline(build("llama", 4), schedule="gpipe", num_microbatches=4, device="cpu", group=group)
+    x, y = make_batch(8, 6, num_microbatches=4)
+    layer, calls = next(iter(pipe.model.model.layers.values())), []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 - rank:
+            raise KeyboardInterrupt
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = forward
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(x, y)
+    del layer.forward
+    pipe.zero_grad()
+    said = []
+    for after in (lambda: pipe.step(x, y), lambda: pipe.clip_grad_norm_(1.0)):
+        with pytest.raises(RuntimeError) as raised:
+            after()
+        said.append(str(raised.value))
+    return said
+
+
+def test_after_a_step_stopped_mid_transfer_the_pipeline_refuses_to_communicate():
+    """The interrupted step's transfers still posted paired with the next step's, which hung (or could have
+    carried another microbatch's activations)."""
+    build("llama", 1)
+    for said in run_distributed(_interrupted_mid_step_worker, 2, timeout=TIMEOUT):
+        for message in said:
+            assert message == ("an earlier pipeline step stopped in the middle of its transfers (KeyboardInterrupt), "
+                               "so the ranks' transfers are out of step: a further step would hang or mix up "
+                               "microbatches. Start the processes again (from a checkpoint, to go on training)")
+
+
 # one process, no process group ------------------------------------------------------------------------------------
 
 SINGLE = [
