@@ -236,7 +236,8 @@ def test_ctrl_c_ends_export_and_generate_with_one_line(trained, tmp_path, monkey
     monkeypatch.setattr(generate_module, "sample", stopped)
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(out)])
-    assert exit_info.value.code == 130 and capsys.readouterr().err.endswith("\ninterrupted\n")  # after transformers' bar
+    assert exit_info.value.code == 130 and capsys.readouterr().err.splitlines()[-1] == "interrupted"  # after any
+    # progress bar transformers shows while loading
 
 
 def test_export_refuses_the_directory_it_is_run_in(trained, tmp_path, monkeypatch, capsys):
