@@ -905,19 +905,18 @@ _ROOM = r"; [\d,]+\.\d [MG]B free on its disk"  # a full disk does not always sa
 
 
 class _FullFrom:
-    """A metrics file on a disk that is full for the records of `step` and after, `failures` times (None: until
-    `room` is made): each time it takes part of a line, as a real write does, and fails on the rest."""
+    """A metrics file on a disk that is full for the records of `step` and after, `failures` times (None: for
+    good): each time it takes part of the lines, as a real write does, and fails on the rest."""
 
     def __init__(self, file, step: int, failures: int | None = None):
-        self.file, self.step, self.failures, self.room = file, step, failures, False
+        self.file, self.step, self.failures = file, step, failures
 
     def write(self, data: bytes) -> int:
-        steps = [json.loads(line)["step"] for line in data.splitlines() if line.endswith(b"}")]
-        if self.room or max(steps, default=0) < self.step or self.failures == 0:
+        steps = [json.loads(line)["step"] for line in data.splitlines()]
+        if max(steps, default=0) < self.step or self.failures == 0:
             return self.file.write(data)
         if self.failures is not None:
             self.failures -= 1
-        self.room = self.failures == 0
         self.file.write(data[: len(data) // 2])
         raise OSError(28, "No space left on device")
 
