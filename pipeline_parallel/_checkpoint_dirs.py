@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from .comm import PipeComm
 CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
 LATEST = "latest"  # text file naming the newest complete checkpoint
 META = "meta.json"  # step, world size, the caller's `extra`, the size and SHA-256 of every other file
+_SEAL = "sha256"  # meta.json's own key: the SHA-256 of the rest of it, so that a bit flipped in a step is found
 _STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
 _STALE_DIR = re.compile(r"^step_\d+\.(tmp|old)$")
 
@@ -108,16 +110,37 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
     return [found[step] for step in sorted(found)]
 
 
+def meta_text(meta: dict) -> str:
+    """meta.json's text for `meta` (JSON values), sealed with the SHA-256 of its content."""
+    return json.dumps({**meta, _SEAL: _digest(meta)}, indent=1)
+
+
+def _digest(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+class _Unsealed(ValueError):
+    """A meta.json whose content is not what its seal was taken of."""
+
+
 def _meta(path: Path) -> dict:
     """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`; a ValueError if
-    it is not JSON."""
-    return json.loads((path / META).read_text())
+    it is not JSON, or changed since it was saved (checkpoints saved before the seal are taken as they are)."""
+    meta = json.loads((path / META).read_text())
+    if isinstance(meta, dict) and _SEAL in meta:
+        content = {key: value for key, value in meta.items() if key != _SEAL}
+        if meta[_SEAL] != _digest(content):
+            raise _Unsealed(f"its {META} changed since it was saved (its {_SEAL} is not that of its content)")
+        return content
+    return meta
 
 
 def read_meta(path: Path) -> dict:
-    """`_meta`, where a meta.json that is not JSON makes the checkpoint damaged."""
+    """`_meta`, where a meta.json that is not JSON, or changed since it was saved, makes the checkpoint damaged."""
     try:
         return _meta(path)
+    except _Unsealed as e:
+        raise damaged(path, str(e)) from None
     except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
         raise damaged(path, f"its {META} cannot be read: {e}") from None
 
@@ -139,6 +162,8 @@ def file_problems(path: Path, comm: PipeComm) -> list[str]:
     mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
     try:
         mine += differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
+    except _Unsealed as e:
+        mine += [str(e)]
     except (OSError, ValueError) as e:
         mine += [f"its {META} cannot be read: {e}"]
     return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, clear_leftovers, commit, damaged,
-                               file_problems, is_checkpoint, latest_checkpoint, next_save_order, read_extra, read_meta,
-                               require_complete, rotate)
+                               file_problems, is_checkpoint, latest_checkpoint, meta_text, next_save_order, read_extra,
+                               read_meta, require_complete, rotate)
 from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from ._files import atomic_write
 from .comm import PipeComm
@@ -196,7 +196,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def publish() -> None:
         order = next_save_order(ckpt_dir)
-        atomic_write(tmp / META, json.dumps({**meta, "save_order": order, "files": files}, indent=1))
+        # As JSON reads it back (keys are strings), so that the seal is taken of what a load will see.
+        atomic_write(tmp / META, meta_text(json.loads(json.dumps({**meta, "save_order": order, "files": files}))))
         commit(tmp, final)
 
     _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it

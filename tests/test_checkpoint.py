@@ -46,9 +46,10 @@ EXTRA = {"step": 2, "scheduler": {"last_epoch": 2}, "data": {"position": 1234}, 
 
 
 def unrecord(path: Path) -> None:
-    """Make checkpoint `path` one saved before meta.json recorded its files (or one whose record was taken away)."""
+    """Make checkpoint `path` one saved before meta.json recorded its files (or one whose record was taken away),
+    and so before it was sealed."""
     meta = json.loads((path / "meta.json").read_text())
-    del meta["files"]
+    del meta["files"], meta["sha256"]
     (path / "meta.json").write_text(json.dumps(meta))
 
 
@@ -660,6 +661,7 @@ def _malformed_record(rank, world_size, run_dir):
     if rank == 0:
         meta = json.loads((path / "meta.json").read_text())
         meta["files"]["__1_0.distcp"]["sha2w6"] = meta["files"]["__1_0.distcp"].pop("sha256")
+        del meta["sha256"]  # as before meta.json was sealed, which finds the flip itself
         (path / "meta.json").write_text(json.dumps(meta))
     torch.distributed.barrier()
     try:
@@ -675,6 +677,28 @@ def test_a_malformed_record_of_files_is_damage_on_every_rank(tmp_path):
     assert first == second, (first, second)
     assert re.fullmatch(r"DamagedCheckpointError: checkpoint .*step_000001 is damaged \(its meta.json cannot be read: "
                         r".*\); no earlier one is left", first), first
+
+
+def test_a_bit_flipped_in_meta_json_is_damage(tmp_path):
+    """meta.json was the one file of a checkpoint without a checksum: a step or data position changed by a flipped
+    bit still parsed, and the run resumed from the wrong place; a checkpoint saved before the seal still loads."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step, "data": {"position": 1234}}, keep_last=0)
+    path = tmp_path / "checkpoints" / "step_000002"
+    text = (path / "meta.json").read_text()
+    (path / "meta.json").write_text(text.replace('"position": 1234', '"position": 1235'))
+    with pytest.raises(ValueError, match=r"step_000002 is damaged \(its meta.json changed since it was saved \(its "
+                                         r"sha256 is not that of its content\)\); use an earlier one, such as "
+                                         r".*step_000001"):
+        read_extra(path)
+    with pytest.raises(ValueError, match=r"its meta.json changed since it was saved"):
+        load_checkpoint(path, model, opt)
+    (path / "meta.json").write_text(text)
+    unrecord(path)
+    assert read_extra(path) == {"step": 2, "data": {"position": 1234}}
+    assert load_checkpoint(path, model, opt) == {"step": 2, "data": {"position": 1234}}
 
 
 def _meta_lacking_a_key_on_rank_1(rank, world_size, run_dir):
