@@ -111,8 +111,10 @@ def _step_dirs(ckpt_dir: Path) -> list[Path]:
 
 
 def meta_text(meta: dict) -> str:
-    """meta.json's text for `meta` (JSON values), sealed with the SHA-256 of its content."""
-    return json.dumps({**meta, _SEAL: _digest(meta)}, indent=1)
+    """meta.json's text for `meta` (JSON values), sealed with the SHA-256 of its content as a load reads it
+    back (keys as strings)."""
+    content = json.loads(json.dumps(meta))
+    return json.dumps({**content, _SEAL: _digest(content)}, indent=1)
 
 
 def _digest(meta: dict) -> str:
@@ -139,10 +141,13 @@ def read_meta(path: Path) -> dict:
     """`_meta`, where a meta.json that is not JSON, or changed since it was saved, makes the checkpoint damaged."""
     try:
         return _meta(path)
-    except _Unsealed as e:
-        raise damaged(path, str(e)) from None
-    except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError
-        raise damaged(path, f"its {META} cannot be read: {e}") from None
+    except ValueError as e:  # UnicodeDecodeError, json.JSONDecodeError, _Unsealed
+        raise damaged(path, _meta_problem(e)) from None
+
+
+def _meta_problem(e: Exception) -> str:
+    """What is wrong with a meta.json that `_meta` failed on with `e`."""
+    return str(e) if isinstance(e, _Unsealed) else f"its {META} cannot be read: {e}"
 
 
 def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
@@ -162,10 +167,8 @@ def file_problems(path: Path, comm: PipeComm) -> list[str]:
     mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
     try:
         mine += differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
-    except _Unsealed as e:
-        mine += [str(e)]
     except (OSError, ValueError) as e:
-        mine += [f"its {META} cannot be read: {e}"]
+        mine += [_meta_problem(e)]
     return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
 
 

@@ -196,8 +196,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     def publish() -> None:
         order = next_save_order(ckpt_dir)
-        # As JSON reads it back (keys are strings), so that the seal is taken of what a load will see.
-        atomic_write(tmp / META, meta_text(json.loads(json.dumps({**meta, "save_order": order, "files": files}))))
+        atomic_write(tmp / META, meta_text({**meta, "save_order": order, "files": files}))
         commit(tmp, final)
 
     _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it

@@ -161,11 +161,11 @@ def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
     copy = Path(run_dir) / TOKENIZER_DIR
     fresh = temporary_dir(copy)
     try:
-        if given is None and copy.is_dir():
-            shutil.rmtree(copy)
-        elif given is not None:
+        if given is not None:
             given.save(fresh)
             replace_dir(fresh, copy)
+        elif copy.is_dir():
+            shutil.rmtree(copy)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)  # left only by a failed save
 

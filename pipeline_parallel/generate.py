@@ -85,14 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(f"--{e}")
     try:
-        model, tokenizer = load_model(args.path)
+        try:
+            model, tokenizer = load_model(args.path)
+        except (OSError, ValueError) as e:  # nothing loadable there
+            parser.exit(2, f"error: {e}\n")
         for i in range(args.num_samples):
             if args.num_samples > 1:
                 print(f"--- sample {i + 1}")
             print(sample(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                          args.seed + i))
-    except (OSError, ValueError) as e:  # nothing loadable there
-        parser.exit(2, f"error: {e}\n")
     except KeyboardInterrupt:  # Ctrl-C is how a user ends a long sample: no traceback for it
         parser.exit(130, "interrupted\n")
 

@@ -280,12 +280,10 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint this step; refuse weights an update made infinite or NaN, which no resume could use, and
         stop instead if the metrics since the last save still cannot be written: resuming logs them again."""
-        then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
         try:
             self._agreed(self._metrics_written, "writing the metrics", faults=(OSError,))
         except ConfigError as e:
-            raise CheckpointNotSaved(f"step {self.step}: {e}{room_note(self.run_dir)}; make room or fix the directory, "
-                                     f"then {then}") from None
+            raise self._not_saved(e) from None
         if not self._weights_finite():
             raise self._diverged(f"step {self.step}: its update made weights that are not finite (its loss and "
                                  "gradients were); nothing was saved")
@@ -297,8 +295,13 @@ class Trainer:
             self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
                                               self.cfg.checkpoint.keep_last)
         except OSError as e:  # on every rank alike: a full disk, a directory that became read-only
-            raise CheckpointNotSaved(f"step {self.step}: {e}{room_note(self.run_dir)}; make room or fix the directory, "
-                                     f"then {then}") from e
+            raise self._not_saved(e) from e
+
+    def _not_saved(self, why: Exception) -> CheckpointNotSaved:
+        """This step's checkpoint could not be written (`why`): how much room is left, and where to go on from."""
+        then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
+        return CheckpointNotSaved(f"step {self.step}: {why}{room_note(self.run_dir)}; make room or fix the directory, "
+                                  f"then {then}")
 
     def _metrics_written(self) -> None:
         if self.metrics is None:
