@@ -439,12 +439,17 @@ def test_the_source_generation_config_is_kept_only_with_its_special_tokens(tmp_p
     assert (source / "generation_config.json").is_file()
 
 
+def _tiny_model_and_tokenizer():
+    """A one-layer Hugging Face Llama and a BPE to save with it, for what export does with files."""
+    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)), tok
+
+
 def test_export_writes_through_the_temporary_path_of_its_output(tmp_path, monkeypatch):
     """Export's temporary directories are named as the other files' are (`_files.temporary_path`: host and
     pid); what a killed process of the same host and pid left there is not merged in, and a failure leaves none."""
-    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    model, tok = _tiny_model_and_tokenizer()
     for left in (temporary_path(tmp_path / "hf"), temporary_path(tmp_path / "run" / "tokenizer")):
         left.mkdir(parents=True)
         (left / "tokenizer.model").write_text("left by a killed process")
@@ -469,9 +474,7 @@ def test_an_interrupted_export_leaves_a_whole_one_in_place(tmp_path, monkeypatch
     """Ctrl-C raises where it lands: just before or after either rename that replaces an earlier export, the
     directory holds a whole export, the old or the new, and nothing else is left (it used to delete the old
     one first, so an interruption there lost both)."""
-    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    model, tok = _tiny_model_and_tokenizer()
     out = save_hf_model(model, tok, tmp_path / "hf")
     old = (out / "model.safetensors").read_bytes()
     (tmp_path / "hf.old").mkdir()  # someone's directory that happens to bear the name

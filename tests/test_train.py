@@ -841,19 +841,20 @@ def test_ranks_that_read_different_data_stop_before_training(corpus, tmp_path):
                             r"same files and start again", message), message
 
 
+def _no_room(*args, **kwargs):
+    """A write on a full disk."""
+    raise OSError(28, "No space left on device")
+
+
 def _saves_failing(rank, world_size, cfgs):
     """What each rank raises when rank 1's shards cannot be written, and when rank 0 cannot publish."""
     from pipeline_parallel import checkpoint as checkpoint_module
 
     class FullDisk(checkpoint_module.RecordingWriter):  # the checkpoint's DCP writer
-        def write_data(self, plan, planner):
-            raise OSError(28, "No space left on device")
-
-    def no_room(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        write_data = _no_room
 
     said = []
-    for cfg, (replacement, failing) in zip(cfgs, (("RecordingWriter", FullDisk), ("atomic_write", no_room))):
+    for cfg, (replacement, failing) in zip(cfgs, (("RecordingWriter", FullDisk), ("atomic_write", _no_room))):
         saved = getattr(checkpoint_module, replacement)
         if rank == (1 if replacement == "RecordingWriter" else 0):
             setattr(checkpoint_module, replacement, failing)
@@ -884,11 +885,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_message(c
 def _settings_unwritable_on_rank_0(rank, world_size, cfg):
     import pipeline_parallel.trainer as trainer_module
 
-    def no_room(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
     if rank == 0:  # which writes config.toml
-        trainer_module.atomic_write = no_room
+        trainer_module.atomic_write = _no_room
     with pytest.raises(ConfigError) as raised:
         Trainer(cfg)
     return str(raised.value)
@@ -919,7 +917,7 @@ class _FullFrom:
         if self.failures is not None:
             self.failures -= 1
         self.file.write(data[: len(data) // 2])
-        raise OSError(28, "No space left on device")
+        _no_room()
 
     def __getattr__(self, name):
         return getattr(self.file, name)
