@@ -39,7 +39,8 @@ class PipelineStage:
         """
         if not self.is_first and training:
             x = x.detach().requires_grad_()
-        with self._autocast(x), torch.set_grad_enabled(training):
+        embedding = self.parts.embed_tokens if training else None
+        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(embedding):
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
@@ -93,6 +94,33 @@ def inference_mode_error() -> str | None:
         return ("a training step cannot run inside torch.inference_mode(), where no backward can follow a forward; "
                 "call it outside (Pipeline.evaluate computes a loss without a graph)")
     return None
+
+
+@contextlib.contextmanager
+def sparse_embedding_grad(embedding: torch.nn.Module | None):
+    """Within: `embedding` makes a sparse gradient of the rows it looked up, added into a dense `.grad`.
+
+    A dense embedding backward makes a vocab x hidden gradient for every microbatch and adds it
+    into `.grad`: on the first stage that costs more than its embedding lookups (a 128k x 4096
+    vocabulary: a gigabyte per microbatch). A sparse one holds only the looked-up rows, and
+    autograd adds it into a dense `.grad` in place, so the step makes one dense gradient, not one
+    per microbatch; `.grad` is made here if missing, so it stays dense. Values equal the dense
+    backward's up to the order of the sum over repeated tokens. Skipped, leaving the embedding as
+    it is, where someone would see the sparse gradient (a hook on the weight, a weight that is no
+    plain Parameter) or where it would change nothing (no gradient, already sparse).
+    """
+    weight = getattr(embedding, "weight", None)
+    if (not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or type(weight) is not torch.nn.Parameter
+            or not weight.requires_grad or weight._backward_hooks or not torch.is_grad_enabled()):
+        yield
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    embedding.sparse = True
+    try:
+        yield
+    finally:
+        embedding.sparse = False
 
 
 class _WeightPass:

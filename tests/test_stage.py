@@ -135,3 +135,51 @@ def test_split_backward_accumulates_through_the_parameters_hooks():
     assert not fired
     stage.backward_weight(0)
     assert sorted(fired) == sorted(n for n, _ in model.named_parameters())
+
+
+def _first_stage_embedding_grad(model, x, grads_out, prepare=lambda embedding: None):
+    """The first stage's embedding after the forward and backward of each microbatch of `x`
+    (`prepare` gets it first)."""
+    model, stage = _stage(model, range(0, 1), 0, 2)
+    prepare(model.model.embed_tokens)
+    for mb, (ids, grad) in enumerate(zip(x.chunk(len(grads_out)), grads_out)):
+        stage.forward(mb, ids)
+        stage.backward(mb, grad)
+    return model.model.embed_tokens
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3], ids=["plain", "padding-row"])
+def test_first_stage_embedding_gradient_equals_the_dense_one(padding_idx):
+    """The first stage adds each microbatch's embedding gradient sparsely into one dense .grad: the
+    same values as autograd's dense backward (the padding row's gradient stays zero), dense, and
+    the module left as it was."""
+    model = build("own", num_layers=2, seed=2)
+    model.model.embed_tokens.padding_idx = padding_idx
+    x, _ = make_batch(4, 8, num_microbatches=2)
+    x[0, :3] = 3  # repeated tokens, and the padding row's
+    grads_out = [torch.randn(2, 8, model.config.hidden_size) for _ in range(2)]
+    reference = copy.deepcopy(model)
+    parts = DecoderParts.of(reference, range(0, 1), True, False)
+    for ids, grad in zip(x.chunk(2), grads_out):
+        parts.forward(ids).backward(grad)
+    expected = reference.model.embed_tokens.weight.grad
+
+    embedding = _first_stage_embedding_grad(model, x, grads_out)
+    assert embedding.weight.grad.layout == torch.strided and not embedding.sparse
+    torch.testing.assert_close(embedding.weight.grad, expected, atol=1e-6, rtol=0)
+    if padding_idx is not None:
+        assert not embedding.weight.grad[padding_idx].any()
+
+
+def test_first_stage_embedding_gradient_stays_as_a_hook_or_the_model_asks():
+    """A hook on the embedding's weight gets the dense gradient it gets on one process; an embedding
+    the model made sparse keeps its sparse gradient."""
+    x, _ = make_batch(4, 8, num_microbatches=2)
+    model = build("own", num_layers=2, seed=2)
+    grads_out = [torch.randn(2, 8, model.config.hidden_size) for _ in range(2)]
+    seen = []
+    _first_stage_embedding_grad(model, x, grads_out, lambda e: e.weight.register_hook(lambda g: seen.append(g.layout)))
+    assert seen == [torch.strided, torch.strided]
+
+    embedding = _first_stage_embedding_grad(model, x, grads_out, lambda e: setattr(e, "sparse", True))
+    assert embedding.sparse and embedding.weight.grad.layout == torch.sparse_coo
