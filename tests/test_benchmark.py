@@ -10,11 +10,12 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vs_torch
 
 def test_benchmark_runs_and_reports_every_engine_and_the_targets():
     out = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "2", "--batch", "4", "--microbatches", "2",
-                          "--seq-len", "16", "--vocab", "256", "--warmup", "0"],
+                          "--seq-len", "16", "--vocab", "256", "--warmup", "0", "--torch-with-our-compute"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     number = r"\d+\.\d{3}"
-    for engine in ("ours gpipe", "ours 1f1b", "torch gpipe", "torch 1f1b"):
+    for engine in ("ours gpipe", "ours 1f1b", "torch gpipe", "torch 1f1b", "torch gpipe \\+our compute",
+                   "torch 1f1b \\+our compute"):
         assert re.search(rf"^{engine} +\d+\.\d +{number} \[{number}, {number}\]", out.stdout, re.M), out.stdout
     for schedule in ("gpipe", "1f1b"):
         assert re.search(rf"^floor of our {schedule} +: +\d+\.\d ms/step", out.stdout, re.M), out.stdout
