@@ -39,8 +39,8 @@ class PipelineStage:
         """
         if not self.is_first and training:
             x = x.detach().requires_grad_()
-        embedding = self.parts.embed_tokens if training else None
-        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(embedding):
+        # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
+        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens):
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass
 class DecoderParts:
     """A stage's view of a model laid out as `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`.
