@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline_parallel as pp
-from pipeline_parallel.loss import loss_sum
+from pipeline_parallel.loss import HeadLoss
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.models.materialize import keep_local_part
@@ -61,25 +61,39 @@ def make_batch(args, vocab: int):
 
 
 class _TorchStage(nn.Module):
-    """Our stage's modules as the nn.Module torch.distributed.pipelining expects; with
-    `our_embedding_grad`, its embedding gradient made as our first stage makes it."""
+    """Our stage's modules as the nn.Module torch.distributed.pipelining expects; with `our_compute`,
+    computing as our stages do: the first stage's embedding gradient made sparse, and the last
+    stage handing its final hidden states to `_our_head_loss` instead of its logits to a loss."""
 
-    def __init__(self, model: nn.Module, parts: DecoderParts, our_embedding_grad: bool = False):
+    def __init__(self, model: nn.Module, parts: DecoderParts, our_compute: bool = False):
         super().__init__()
-        self.model, self.parts, self.our_embedding_grad = model, parts, our_embedding_grad
+        self.model, self.parts, self.our_compute = model, parts, our_compute
 
     def forward(self, x):
-        with sparse_embedding_grad(self.parts.embed_tokens if self.our_embedding_grad else None):
-            return self.parts.forward(x)
+        with sparse_embedding_grad(self.parts.embed_tokens if self.our_compute else None):
+            return self.parts.forward(x, head=not self.our_compute)
+
+    def loss_fn(self, output, labels):
+        """The loss torch's schedule calls on the last stage (the same mean as ours: no token is ignored)."""
+        if self.our_compute:
+            return _OurHeadLoss.apply(output, labels, self.parts.lm_head)
+        return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
 
 
-def _torch_loss(logits, labels):
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+class _OurHeadLoss(torch.autograd.Function):
+    """Our last stage's head and loss (`HeadLoss`) as one autograd node, for torch's schedules."""
 
+    @staticmethod
+    def forward(ctx, hidden, labels, head):
+        ctx.head_loss = HeadLoss(hidden, head, labels, 1 / labels.numel())
+        return ctx.head_loss.loss
 
-def _our_loss(logits, labels):
-    """Our engine's loss as torch's loss_fn (the same mean: the benchmark ignores no token)."""
-    return loss_sum(logits, labels) / labels.numel()
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if grad_loss.item() != 1.0:  # torch's schedule runs backward from the loss itself
+            raise NotImplementedError("only a backward from the loss itself")
+        ctx.head_loss.add_weight_grad()
+        return ctx.head_loss.input_grad(), None, None
 
 
 def worker(rank: int, world: int, port: int, args, results) -> None:
@@ -105,9 +119,9 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
                            layer_counts=counts, device="cpu")
         engines[f"ours {name}"] = (lambda pipe=pipe: (pipe.step(x, y), pipe.zero_grad()))
         pipes[name] = pipe
-    # With --torch-with-our-compute, torch's schedules also run with our loss function and our first
-    # stage's embedding gradient, which tells the share of our time that is that compute from the
-    # share that is the schedule and runtime.
+    # With --torch-with-our-compute, torch's schedules also run with our last stage's head and loss
+    # and our first stage's embedding gradient, which tells the share of our time that is that
+    # compute from the share that is the schedule and runtime.
     computes = {"": False, " +our compute": True} if args.torch_with_our_compute else {"": False}
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         if name not in args.schedules:
@@ -116,9 +130,9 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
             model = copy.deepcopy(base)
             indices = layer_ranges(counts)[rank]
             keep_local_part(model, indices, first, last)
-            module = _TorchStage(model, DecoderParts.of(model, indices, first, last), our_embedding_grad=ours)
+            module = _TorchStage(model, DecoderParts.of(model, indices, first, last), our_compute=ours)
             stage = PipelineStage(module, rank, world, torch.device("cpu"))
-            schedule = cls(stage, args.microbatches, loss_fn=_our_loss if ours else _torch_loss)
+            schedule = cls(stage, args.microbatches, loss_fn=module.loss_fn)
             engines[f"torch {name}{suffix}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last),
                                                                                m.zero_grad()))
 
@@ -172,8 +186,8 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
 def floor(program: list, world: int, measured: dict) -> float:
     """The step time `program` allows with these compute times and free transfers.
 
-    Both engines run the same stage modules (torch's first stage makes the dense embedding
-    gradient, which costs more), so no engine runs this program faster.
+    Both engines run the same stage modules (torch's compute the dense embedding gradient and the
+    head's backward under autograd, which cost more), so no engine runs this program faster.
     """
     return makespan(simulate(program, world, measured.__getitem__))
 
@@ -235,8 +249,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per engine per round")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each block")
     parser.add_argument("--torch-with-our-compute", action="store_true",
-                        help="also run torch's schedules with our loss function as their loss_fn and our first "
-                             "stage's sparse embedding gradient")
+                        help="also run torch's schedules with our last stage's head and loss (loss.HeadLoss) "
+                             "as their loss_fn and our first stage's sparse embedding gradient")
     args = parser.parse_args()
     if not args.schedules or set(args.schedules) - {"gpipe", "1f1b"}:
         parser.error(f"--schedules takes gpipe, 1f1b or both (comma-separated), not {','.join(args.schedules)}")

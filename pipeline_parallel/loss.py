@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 IGNORE_INDEX = -100
 
@@ -14,6 +16,59 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     in value and gradient, in fewer passes over the logits (see `_CrossEntropySum`).
     """
     return _CrossEntropySum.apply(logits.flatten(0, 1), labels.flatten())
+
+
+class HeadLoss:
+    """`loss_sum(head(hidden), labels) * scale`, whose backward through the head runs outside autograd.
+
+    The gradient of the logits is known once the loss is, so the forward keeps it instead of a
+    graph. The backward is then two matmuls: `input_grad` gives the gradient of `hidden`, and
+    `add_weight_grad` adds the head's weight gradient into `.grad` in place (addmm), where autograd
+    would make a vocab x hidden gradient for every microbatch and then add it. They stay apart
+    so that a schedule can make the weight gradient later, like any other (`I` and `W`). Under
+    autocast the matmuls take the dtype the head's own call would. Only for a head whose call and
+    gradient no one watches (`head_loss_applies`).
+    """
+
+    def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float):
+        self.weight, self.shape, self.dtype = head.weight, hidden.shape, hidden.dtype
+        with torch.no_grad():
+            tokens = hidden.detach().flatten(0, -2)
+            logits = F.linear(tokens, self.weight)  # in autocast's dtype under autocast, as head(hidden)
+            self.loss, grad = _loss_and_logits_grad(logits, labels.flatten(), scale)
+            # The backward's operands in the dtype the forward's matmul took them.
+            self.grad, self.tokens = grad.to(logits.dtype), tokens.to(logits.dtype)
+
+    def input_grad(self) -> torch.Tensor:
+        """The gradient of `hidden`."""
+        with torch.no_grad():
+            return (self.grad @ self.weight.to(self.grad.dtype)).to(self.dtype).view(self.shape)
+
+    def add_weight_grad(self) -> None:
+        """Add the head weight's gradient into its `.grad` (made if missing)."""
+        with torch.no_grad():
+            grad = self.weight.grad
+            if grad is None:
+                self.weight.grad = (self.grad.t() @ self.tokens).to(self.weight.dtype)
+            elif grad.dtype == self.grad.dtype:
+                grad.addmm_(self.grad.t(), self.tokens)
+            else:  # autocast: the product is made in its dtype, as autograd would
+                grad.add_(self.grad.t() @ self.tokens)
+
+
+def head_loss_applies(head: nn.Module) -> bool:
+    """Whether `HeadLoss` may stand in for calling `head` and autograd: a plain trainable
+    Linear without bias whose module, weight and gradient no hook watches (a hook would miss
+    the call, or the gradient bypassing autograd's accumulation)."""
+    from torch.nn.modules import module as hooks
+
+    weight = getattr(head, "weight", None)
+    return (type(head) is nn.Linear and head.bias is None and type(weight) is nn.Parameter and weight.requires_grad
+            and (weight.grad is None or weight.grad.layout == torch.strided)
+            and not (weight._backward_hooks or weight._post_accumulate_grad_hooks)
+            and not (head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks or head._backward_hooks)
+            and not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks
+                     or hooks._global_backward_pre_hooks or hooks._global_backward_hooks))
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -29,17 +84,9 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        probs = torch.softmax(logits, dim=-1, dtype=dtype)
-        # A row's largest probability is that of its largest logit: exp(top - log_sum_exp).
-        log_sum_exp = logits.amax(-1, keepdim=True).to(dtype) - probs.amax(-1, keepdim=True).log()
-        valid = (labels != IGNORE_INDEX).unsqueeze(-1)
-        targets = labels.unsqueeze(-1).where(valid, 0)
-        loss = (log_sum_exp - logits.gather(-1, targets).to(dtype)).where(valid, 0).sum()
-        if ctx.needs_input_grad[0]:
-            weight = valid.to(dtype)  # 1 on the rows whose loss counts, 0 on ignored ones
-            probs.scatter_add_(-1, targets, weight.neg()).mul_(weight)
-            ctx.save_for_backward(probs)
+        loss, grad = _loss_and_logits_grad(logits, labels, 1.0, ctx.needs_input_grad[0])
+        if grad is not None:
+            ctx.save_for_backward(grad)
             ctx.logits_dtype = logits.dtype
         return loss
 
@@ -49,3 +96,20 @@ class _CrossEntropySum(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # Scaled in place: the graph is run once. A second run would fail on the changed tensor.
         return grad.mul_(grad_loss).to(ctx.logits_dtype), None
+
+
+def _loss_and_logits_grad(logits: torch.Tensor, labels: torch.Tensor, scale: float, need_grad: bool = True):
+    """`scale` x the summed cross-entropy of [tokens, vocab] `logits`, and its gradient (None unless
+    `need_grad`) in at least float32, made from the one softmax."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    probs = torch.softmax(logits, dim=-1, dtype=dtype)
+    # A row's largest probability is that of its largest logit: exp(top - log_sum_exp).
+    log_sum_exp = logits.amax(-1, keepdim=True).to(dtype) - probs.amax(-1, keepdim=True).log()
+    valid = (labels != IGNORE_INDEX).unsqueeze(-1)
+    targets = labels.unsqueeze(-1).where(valid, 0)
+    loss = (log_sum_exp - logits.gather(-1, targets).to(dtype)).where(valid, 0).sum() * scale
+    if not need_grad:
+        return loss, None
+    weight = valid.to(dtype)  # 1 on the rows whose loss counts, 0 on ignored ones
+    probs.scatter_add_(-1, targets, weight.neg()).mul_(weight * scale)
+    return loss, probs

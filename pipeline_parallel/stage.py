@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
-from .loss import loss_sum
+from .loss import HeadLoss, head_loss_applies, loss_sum
 from .models.decoder import DecoderParts
 
 # The autograd node of torch.utils.checkpoint(..., use_reentrant=True), which only a plain backward can run.
@@ -14,7 +15,8 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 class PipelineStage:
-    """Runs `parts` on microbatches; the last stage also computes the scaled loss.
+    """Runs `parts` on microbatches; the last stage also computes the scaled loss, and when no hook
+    watches its head, runs the head's backward by hand (`loss.HeadLoss`).
 
     `forward` keeps the microbatch's input and output (the autograd graph between them) until
     `backward` consumes them, so peak memory is set by how many microbatches a schedule keeps
@@ -29,8 +31,8 @@ class PipelineStage:
         self.is_first = stage_idx == 0
         self.is_last = stage_idx == num_stages - 1
         self.autocast_dtype = autocast_dtype
-        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending_weights: dict[int, _WeightPass] = {}  # backward_input done, backward_weight not yet
+        self._saved: dict[int, _Saved] = {}
+        self._pending_weights: dict[int, tuple[_WeightPass, HeadLoss | None]] = {}  # I done, W not yet
 
     def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0, training: bool = True):
         """Forward microbatch `mb`; returns the output to hand on (the detached loss on the last stage).
@@ -41,20 +43,26 @@ class PipelineStage:
             x = x.detach().requires_grad_()
         # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
         with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens):
+            if self.is_last and training and head_loss_applies(self.parts.lm_head):
+                hidden = self.parts.forward(x, head=False)
+                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale)
+                self._saved[mb] = _Saved(x, hidden, head)
+                return head.loss
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
         if training:
-            self._saved[mb] = (x, out)
+            self._saved[mb] = _Saved(x, out)
         return out.detach()
 
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Backward microbatch `mb`: accumulates weight grads, returns the input's grad (None on stage 0)."""
-        x, out = self._saved.pop(mb)
-        if self.is_first and not out.requires_grad:
-            return None  # every parameter of the first stage is frozen: nothing to compute or send
-        torch.autograd.backward(out, grad_output)
-        return None if self.is_first else x.grad
+        saved = self._saved.pop(mb)
+        if saved.out.requires_grad:  # not so on a first stage whose parameters are all frozen
+            torch.autograd.backward(saved.out, saved.grad_output(grad_output))
+        if saved.head is not None:
+            saved.head.add_weight_grad()
+        return None if self.is_first else saved.x.grad
 
     def backward_input(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor:
         """The input's grad of microbatch `mb` alone, so it can be sent before the weight grads are made.
@@ -63,13 +71,17 @@ class PipelineStage:
         """
         if self.is_first:
             raise ValueError("the first stage has no input gradient to send; its schedule runs B, not I and W")
-        x, out = self._saved.pop(mb)
-        self._pending_weights[mb] = weight_pass = _WeightPass(self.parts.parameters())
-        return weight_pass.input_grad(out, x, grad_output)
+        saved = self._saved.pop(mb)
+        weight_pass = _WeightPass(self.parts.parameters())
+        self._pending_weights[mb] = (weight_pass, saved.head)
+        return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output))
 
     def backward_weight(self, mb: int) -> None:
         """Accumulate the weight grads of microbatch `mb`, whose `backward_input` has run."""
-        self._pending_weights.pop(mb).run()
+        weight_pass, head = self._pending_weights.pop(mb)
+        weight_pass.run()
+        if head is not None:
+            head.add_weight_grad()
 
     @property
     def num_saved(self) -> int:
@@ -85,6 +97,20 @@ class PipelineStage:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(x.device.type, dtype=self.autocast_dtype)
+
+
+@dataclass
+class _Saved:
+    """What a microbatch's backward needs: its input and output, and on a last stage that stopped
+    autograd before its head, the head's loss (`HeadLoss`), which makes the output's gradient."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+    head: HeadLoss | None = None
+
+    def grad_output(self, received: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient to start the backward from: the head's, else the one received."""
+        return received if self.head is None else self.head.input_grad()
 
 
 def inference_mode_error() -> str | None:

@@ -1,10 +1,15 @@
-"""loss_sum: value and gradient equal F.cross_entropy's in every dtype, with ignored rows and extreme logits."""
+"""loss_sum: value and gradient equal F.cross_entropy's in every dtype, with ignored rows and extreme logits;
+HeadLoss: the head and loss with their backward by hand equal autograd's, and stand aside for hooks."""
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline_parallel.loss import IGNORE_INDEX, loss_sum
+from torch import nn
+
+from pipeline_parallel.loss import IGNORE_INDEX, HeadLoss, head_loss_applies, loss_sum
 
 VOCAB = 50
 
@@ -81,3 +86,83 @@ def test_a_second_backward_through_the_same_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def _head_by_autograd(hidden, head, labels, scale):
+    hidden = hidden.clone().requires_grad_()
+    loss = loss_sum(head(hidden), labels) * scale
+    loss.backward()
+    return loss.detach(), hidden.grad
+
+
+@pytest.mark.parametrize("dtype, autocast, tol", [(torch.float32, None, 1e-6), (torch.bfloat16, None, 1e-2),
+                                                  (torch.float32, torch.bfloat16, 1e-6)],
+                         ids=["float32", "bfloat16", "autocast-bfloat16"])
+@pytest.mark.parametrize("grad_before", [False, True], ids=["no-grad-yet", "accumulating"])
+def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol, grad_before):
+    """Loss, the hidden states' gradient and the head's accumulated weight gradient, with ignored
+    rows; under autocast the matmuls take its dtype and the gradients come back in the tensors' own."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, VOCAB, bias=False).to(dtype)
+    hidden = torch.randn(3, 7, 16, dtype=dtype)
+    _, labels = _logits_and_labels(torch.float32)
+    before = torch.randn_like(head.weight) if grad_before else None
+    context = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
+
+    head.weight.grad = None if before is None else before.clone()
+    with context():
+        want_loss, want_hidden_grad = _head_by_autograd(hidden, head, labels, 0.25)
+    want_weight_grad = head.weight.grad
+
+    head.weight.grad = None if before is None else before.clone()
+    with context():
+        got = HeadLoss(hidden, head, labels, 0.25)
+    hidden_grad = got.input_grad()
+    got.add_weight_grad()
+    assert hidden_grad.dtype == hidden.dtype and head.weight.grad.dtype == head.weight.dtype
+    torch.testing.assert_close(got.loss, want_loss, atol=tol, rtol=tol)
+    torch.testing.assert_close(hidden_grad, want_hidden_grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(head.weight.grad, want_weight_grad, atol=tol, rtol=tol)
+
+
+def _watched_heads():
+    """Heads on which HeadLoss must stand aside, each with what watches it (or makes it differ)."""
+    def head():
+        return nn.Linear(16, VOCAB, bias=False)
+
+    cases = {"bias": nn.Linear(16, VOCAB), "subclass": type("MyLinear", (nn.Linear,), {})(16, VOCAB, bias=False)}
+    frozen = cases["frozen"] = head()
+    frozen.weight.requires_grad_(False)
+    cases["forward-hook"] = head()
+    cases["forward-hook"].register_forward_hook(lambda m, i, o: None)
+    cases["forward-pre-hook"] = head()
+    cases["forward-pre-hook"].register_forward_pre_hook(lambda m, i: None)
+    cases["backward-hook"] = head()
+    cases["backward-hook"].register_full_backward_hook(lambda m, gi, go: None)
+    cases["backward-pre-hook"] = head()
+    cases["backward-pre-hook"].register_full_backward_pre_hook(lambda m, go: None)
+    cases["weight-hook"] = head()
+    cases["weight-hook"].weight.register_hook(lambda g: g)
+    cases["weight-post-accumulate-hook"] = head()
+    cases["weight-post-accumulate-hook"].weight.register_post_accumulate_grad_hook(lambda p: None)
+    cases["sparse-grad"] = head()
+    cases["sparse-grad"].weight.grad = torch.zeros(VOCAB, 16).to_sparse()
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_watched_heads()))
+def test_head_loss_stands_aside_where_someone_would_see_it(case):
+    assert head_loss_applies(nn.Linear(16, VOCAB, bias=False))
+    assert not head_loss_applies(_watched_heads()[case])
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_head_loss_stands_aside_for_a_global_module_hook(kind):
+    register = {"forward": nn.modules.module.register_module_forward_hook,
+                "backward": nn.modules.module.register_module_full_backward_hook}[kind]
+    handle = register(lambda *args: None)
+    try:
+        assert not head_loss_applies(nn.Linear(16, VOCAB, bias=False))
+    finally:
+        handle.remove()
+    assert head_loss_applies(nn.Linear(16, VOCAB, bias=False))

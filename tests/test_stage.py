@@ -54,6 +54,39 @@ def test_split_backward_equals_full_backward(kind, autocast_dtype, stage_idx):
         torch.testing.assert_close(split_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("kind", ["own", "llama"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_last_stage_runs_its_head_backward_by_hand_unless_a_hook_watches(kind, split):
+    """Unwatched, the last stage stops autograd before its head (`loss.HeadLoss`); a forward hook on
+    the head puts it back under autograd, and fires. Both give the same loss and gradients."""
+    full_model = build(kind, num_layers=2, seed=3)
+    _, y = make_batch(4, 8, seed=1, num_microbatches=2)
+    hidden = [torch.randn(2, 8, full_model.config.hidden_size) for _ in range(2)]
+    results = []
+    for watched in (False, True):
+        model, stage = _stage(full_model, range(1, 2), 1, 2)
+        calls = []
+        if watched:
+            model.lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+        losses = [stage.forward(mb, hidden[mb], y.chunk(2)[mb], loss_scale=0.5) for mb in range(2)]
+        assert (stage._saved[0].head is None) == watched
+        input_grads = []
+        for mb in range(2):
+            if split:
+                input_grads.append(stage.backward_input(mb, None))
+                stage.backward_weight(mb)
+            else:
+                input_grads.append(stage.backward(mb, None))
+        assert len(calls) == (2 if watched else 0)
+        results.append((losses, input_grads, {n: p.grad for n, p in model.named_parameters()}))
+    (by_hand, by_hand_inputs, by_hand_weights), (autograd, autograd_inputs, autograd_weights) = results
+    torch.testing.assert_close(by_hand, autograd, atol=1e-6, rtol=0)
+    torch.testing.assert_close(by_hand_inputs, autograd_inputs, atol=1e-6, rtol=0)
+    assert by_hand_weights.keys() == autograd_weights.keys()
+    for name, grad in autograd_weights.items():
+        torch.testing.assert_close(by_hand_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_first_stage_has_no_input_gradient_to_split():
     model, stage = _stage(build("own", num_layers=2), range(0, 1), 0, 2)
     x, _ = make_batch(2, 8)

@@ -60,8 +60,11 @@ class DecoderParts:
         unique = {id(p): p for module in self.modules() for p in module.parameters()}
         return list(unique.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Input IDs (first stage) or hidden states in; hidden states or logits (last stage) out."""
+    def forward(self, x: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """Input IDs (first stage) or hidden states in; hidden states or logits (last stage) out.
+
+        With `head=False` the last stage stops after the final norm, before `lm_head`.
+        """
         hidden = x
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(x)
@@ -81,9 +84,9 @@ class DecoderParts:
             )
             if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
                 hidden = hidden[0]
-        if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        return self.lm_head(hidden) if head and self.lm_head is not None else hidden
 
 
 def check_shared_parameters(model: nn.Module, stage_layers: list[range], hint: str) -> None:
