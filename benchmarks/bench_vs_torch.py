@@ -63,7 +63,7 @@ def make_batch(args, vocab: int):
 class _TorchStage(nn.Module):
     """Our stage's modules as the nn.Module torch.distributed.pipelining expects; with `our_compute`,
     computing as our stages do: the first stage's embedding gradient made sparse, and the last
-    stage handing its final hidden states to `_our_head_loss` instead of its logits to a loss."""
+    stage handing its final hidden states to `_OurHeadLoss` instead of its logits to a loss."""
 
     def __init__(self, model: nn.Module, parts: DecoderParts, our_compute: bool = False):
         super().__init__()

@@ -27,7 +27,7 @@ class HeadLoss:
     would make a vocab x hidden gradient for every microbatch and then add it. They stay apart
     so that a schedule can make the weight gradient later, like any other (`I` and `W`). Under
     autocast the matmuls take the dtype the head's own call would. Only for a head whose call and
-    gradient no one watches (`head_loss_applies`).
+    gradient no one watches (`stage.head_loss_applies`).
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float):
@@ -54,21 +54,6 @@ class HeadLoss:
                 grad.addmm_(self.grad.t(), self.tokens)
             else:  # autocast: the product is made in its dtype, as autograd would
                 grad.add_(self.grad.t() @ self.tokens)
-
-
-def head_loss_applies(head: nn.Module) -> bool:
-    """Whether `HeadLoss` may stand in for calling `head` and autograd: a plain trainable
-    Linear without bias whose module, weight and gradient no hook watches (a hook would miss
-    the call, or the gradient bypassing autograd's accumulation)."""
-    from torch.nn.modules import module as hooks
-
-    weight = getattr(head, "weight", None)
-    return (type(head) is nn.Linear and head.bias is None and type(weight) is nn.Parameter and weight.requires_grad
-            and (weight.grad is None or weight.grad.layout == torch.strided)
-            and not (weight._backward_hooks or weight._post_accumulate_grad_hooks)
-            and not (head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks or head._backward_hooks)
-            and not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks
-                     or hooks._global_backward_pre_hooks or hooks._global_backward_hooks))
 
 
 class _CrossEntropySum(torch.autograd.Function):

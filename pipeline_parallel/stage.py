@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import HeadLoss, head_loss_applies, loss_sum
+from .loss import HeadLoss, loss_sum
 from .models.decoder import DecoderParts
 
 # The autograd node of torch.utils.checkpoint(..., use_reentrant=True), which only a plain backward can run.
@@ -136,8 +136,8 @@ def sparse_embedding_grad(embedding: torch.nn.Module | None):
     plain Parameter) or where it would change nothing (no gradient, already sparse).
     """
     weight = getattr(embedding, "weight", None)
-    if (not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or type(weight) is not torch.nn.Parameter
-            or not weight.requires_grad or weight._backward_hooks or not torch.is_grad_enabled()):
+    if (not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or not _unwatched_trainable(weight)
+            or not torch.is_grad_enabled()):
         yield
         return
     if weight.grad is None:
@@ -147,6 +147,27 @@ def sparse_embedding_grad(embedding: torch.nn.Module | None):
         yield
     finally:
         embedding.sparse = False
+
+
+def head_loss_applies(head: torch.nn.Module) -> bool:
+    """Whether `HeadLoss` may stand in for calling `head` and autograd: a plain trainable
+    Linear without bias whose module, weight and gradient no hook watches (a hook would miss
+    the call, or the gradient bypassing autograd's accumulation)."""
+    from torch.nn.modules import module as hooks
+
+    weight = getattr(head, "weight", None)
+    return (type(head) is torch.nn.Linear and head.bias is None and _unwatched_trainable(weight)
+            and (weight.grad is None or weight.grad.layout == torch.strided)
+            and not weight._post_accumulate_grad_hooks
+            and not (head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks or head._backward_hooks)
+            and not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks
+                     or hooks._global_backward_pre_hooks or hooks._global_backward_hooks))
+
+
+def _unwatched_trainable(weight) -> bool:
+    """A plain trainable Parameter with no hook on its gradient: one whose gradient the stage may
+    make another way than autograd would (a hook would be handed, or miss, what it makes)."""
+    return type(weight) is torch.nn.Parameter and weight.requires_grad and not weight._backward_hooks
 
 
 class _WeightPass:
