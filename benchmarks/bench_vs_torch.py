@@ -11,7 +11,8 @@ cancels out and one can tell a difference from noise. Besides the ratio to torch
 bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
 same ideal from a T_single taken while every rank runs one (a CPU's cores share caches, memory
 bandwidth and clock, which no schedule can help), and with its floor: the step time the
-schedule allows with the compute times measured in our run. It also prints each engine's minor
+schedule allows with the compute times measured in our run, under which each rank's compute per
+microbatch says how even the stages are and what they cost beyond T_single. It also prints each engine's minor
 page faults per step on each rank: memory the allocator returned to the system and takes again
 is faulted in page by page, a CPU cost that depends on what ran before in the process.
 """
@@ -42,7 +43,7 @@ from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.models.materialize import keep_local_part
 from pipeline_parallel.partition import balanced_layer_counts, estimate_costs, layer_ranges
-from pipeline_parallel.schedules import SCHEDULES, Action, Kind, lower, makespan, simulate
+from pipeline_parallel.schedules import SCHEDULES, Action, Kind, lower, makespan, simulate, stage_to_rank
 from pipeline_parallel.stage import sparse_embedding_grad
 
 
@@ -212,6 +213,14 @@ def whole_backward_times(measured: dict) -> dict[int, float]:
     return {stage: statistics.median(d) for stage, d in per_stage.items()}
 
 
+def compute_by_rank(measured: dict, world: int, m: int) -> list[float]:
+    """Each rank's compute time per microbatch: the sum of its actions' `measured` times over `m`."""
+    totals = [0.0] * world
+    for a, d in measured.items():
+        totals[stage_to_rank(a.stage, world)] += d
+    return [t / m for t in totals]
+
+
 def median_interval(values: list[float], samples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 95% confidence interval of the median of `values`: percentile bootstrap over them."""
     rng = random.Random(seed)
@@ -298,6 +307,10 @@ def main() -> None:
     whole_b = [whole_backward_times({name: rounds[r] for name, rounds in measured.items()}) for r in range(args.rounds)]
     whole = {name: [floor(lower(SCHEDULES[name](p, m), p), p, with_whole_backwards(d, whole_b[r]))
                     for r, d in enumerate(rounds)] for name, rounds in measured.items()}
+    # Each rank's compute per microbatch: its largest sets a schedule's pace; their total against
+    # T_single is what running in stages costs on this machine beyond the bubble (shared cores, splits).
+    per_rank = {name: [compute_by_rank(d, p, m) for d in rounds] for name, rounds in measured.items()}
+    single = [t * m / (m + p - 1) * p for t in ideal]
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
@@ -312,6 +325,10 @@ def main() -> None:
         print(f"floor of our {name:<6}   : {med(floors[name]) * 1e3:8.1f} ms/step  (with whole backwards, as torch's "
               f"schedule runs it: {med(whole[name]) * 1e3:.1f}); our measured compute times, free transfers; "
               f"split backwards per rank {split} of {m}")
+        ranks = [med(c[rank] for c in per_rank[name]) for rank in range(p)]
+        print(f"  compute per microbatch by rank: {[round(c * 1e3, 1) for c in ranks]} ms (the largest "
+              f"{med(max(c) / statistics.mean(c) for c in per_rank[name]):.3f}x their mean; all ranks' compute "
+              f"{med(sum(c) * m / t for c, t in zip(per_rank[name], single)):.3f}x T_single)")
     print("ratios: median over rounds [95% confidence interval of that median]; 'best': each engine's fastest "
           "step against the others'")
     width = max(map(len, per_round))

@@ -18,7 +18,9 @@ def test_benchmark_runs_and_reports_every_engine_and_the_targets():
                    "torch 1f1b \\+our compute"):
         assert re.search(rf"^{engine} +\d+\.\d +{number} \[{number}, {number}\]", out.stdout, re.M), out.stdout
     for schedule in ("gpipe", "1f1b"):
-        assert re.search(rf"^floor of our {schedule} +: +\d+\.\d ms/step", out.stdout, re.M), out.stdout
+        assert re.search(rf"^floor of our {schedule} +: +\d+\.\d ms/step.*\n  compute per microbatch by rank: "
+                         rf"\[\d+\.\d, \d+\.\d\] ms \(the largest {number}x their mean; all ranks' compute "
+                         rf"{number}x T_single\)$", out.stdout, re.M), out.stdout
         assert re.search(rf"^target ours {schedule}: {number} of torch \((met|missed): at most 0\.95\), {number} of the "
                          rf"ideal \((met|missed): within 10%\)$", out.stdout, re.M), out.stdout
 
