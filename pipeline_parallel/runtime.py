@@ -118,6 +118,8 @@ class _Mailbox:
         recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
         self.received.update(zip(recv_keys, recvs))
         # Forget transfers that have finished, so sent activations are not held to the end of the step.
+        # (gloo's send and receive handles report completion only once waited, so on gloo the sends
+        # stay held until `finish`: one hidden-state-sized tensor per microbatch and direction.)
         self.in_flight = [transfers for transfers in self.in_flight if not transfers.finished()]
         self.in_flight.extend(handles)
 
