@@ -11,10 +11,11 @@ cancels out and one can tell a difference from noise. Besides the ratio to torch
 bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
 same ideal from a T_single taken while every rank runs one (a CPU's cores share caches, memory
 bandwidth and clock, which no schedule can help), and with its floor: the step time the
-schedule allows with the compute times measured in our run, under which each rank's compute per
-microbatch says how even the stages are and what they cost beyond T_single. It also prints each engine's minor
-page faults per step on each rank: memory the allocator returned to the system and takes again
-is faulted in page by page, a CPU cost that depends on what ran before in the process.
+schedule allows with the compute times measured in our run, under which each rank's compute
+per microbatch says how even the stages are and what they cost beyond T_single. It also prints
+each engine's minor page faults per step on each rank: memory the allocator returned to the
+system and takes again is faulted in page by page, a CPU cost that depends on what ran before in
+the process.
 """
 
 from __future__ import annotations
@@ -298,8 +299,9 @@ def main() -> None:
     p, m = args.ranks, args.microbatches
     per_round = {name: [statistics.median(t) for t in rounds] for name, rounds in times.items()}
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
-    ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single")]
-    busy_ideal = [t / p * (m + p - 1) / m for t in per_round.pop("single busy")]
+    single, single_busy = per_round.pop("single"), per_round.pop("single busy")  # T_single per round
+    ideal = [t / p * (m + p - 1) / m for t in single]
+    busy_ideal = [t / p * (m + p - 1) / m for t in single_busy]
     best_ideal = best.pop("single") / p * (m + p - 1) / m
     best.pop("single busy")
     floors = {name: [floor(programs[name], p, d) for d in rounds] for name, rounds in measured.items()}
@@ -310,13 +312,12 @@ def main() -> None:
     # Each rank's compute per microbatch: its largest sets a schedule's pace; their total against
     # T_single is what running in stages costs on this machine beyond the bubble (shared cores, splits).
     per_rank = {name: [compute_by_rank(d, p, m) for d in rounds] for name, rounds in measured.items()}
-    single = [t * m / (m + p - 1) * p for t in ideal]
     med = statistics.median
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
           f"{args.rounds} rounds of {args.steps} steps per engine")
-    print(f"single process, 1 thread: {med(ideal) * m / (m + p - 1) * p * 1e3:8.1f} ms/step; with one on every "
-          f"rank at once: {med(busy_ideal) * m / (m + p - 1) * p * 1e3:.1f} ms/step "
+    print(f"single process, 1 thread: {med(single) * 1e3:8.1f} ms/step; with one on every "
+          f"rank at once: {med(single_busy) * 1e3:.1f} ms/step "
           f"(x{med([b / i for b, i in zip(busy_ideal, ideal)]):.3f}: this machine's cost of all cores computing)")
     print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m); "
           f"with the all-cores T_single ('vs busy ideal'): {med(busy_ideal) * 1e3:.1f}")
