@@ -300,9 +300,13 @@ def main() -> None:
     per_round = {name: [statistics.median(t) for t in rounds] for name, rounds in times.items()}
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     single, single_busy = per_round.pop("single"), per_round.pop("single busy")  # T_single per round
-    ideal = [t / p * (m + p - 1) / m for t in single]
-    busy_ideal = [t / p * (m + p - 1) / m for t in single_busy]
-    best_ideal = best.pop("single") / p * (m + p - 1) / m
+
+    def ideal_of(t_single: float) -> float:
+        """The bubble-bound ideal step time of the issue's target, from a single-process step time."""
+        return t_single / p * (m + p - 1) / m
+
+    ideal, busy_ideal = [ideal_of(t) for t in single], [ideal_of(t) for t in single_busy]
+    best_ideal = ideal_of(best.pop("single"))
     best.pop("single busy")
     floors = {name: [floor(programs[name], p, d) for d in rounds] for name, rounds in measured.items()}
     # Whole backwards timed in the same round (1F1B runs its steady state unsplit on every stage).
