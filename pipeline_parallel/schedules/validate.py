@@ -33,7 +33,8 @@ def validate(
     _check_compute_coverage(lowered, num_stages, num_microbatches, forward_only)
     _check_transfers_listed(lowered, num_stages)
     _check_channels(lowered, num_ranks)
-    _check_progress(lowered, num_stages, num_ranks)
+    for _ in replay_order(lowered, num_stages):  # raises ScheduleError on a deadlock
+        pass
     if in_order:
         _check_in_order_batches(lowered, num_stages, num_ranks)
 
@@ -129,7 +130,11 @@ def _compute_ready(rank: int, a, done: set, arrived, num_stages: int, num_ranks:
     return arrived((source.kind.value, source.stage, source.mb))
 
 
-def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
+def replay_order(lowered: Schedule, num_stages: int):
+    """Yield (rank, action) for every action of `lowered` in an order the runtime could run them:
+    sends and receives post without blocking, and a compute action comes after the send of the data
+    it takes. Raises ScheduleError where no rank can go on (a deadlock)."""
+    num_ranks = len(lowered)
     posted_sends: set = set()
     posted_recvs: set = set()  # (rank, message)
     done: set = set()  # (kind, stage, mb) compute actions finished
@@ -152,6 +157,7 @@ def _check_progress(lowered: Schedule, num_stages: int, num_ranks: int) -> None:
                     posted_recvs.add((rank, message(a)))
                 else:
                     done.update({a, result_of(a)})
+                yield rank, a
                 pcs[rank] += 1
                 progressed = True
         if not progressed:
