@@ -82,11 +82,11 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
         # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
         step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
     costs = planning_costs(model.config, layer_counts, info.seq_len)
-    program = rank_program(schedule, comm, num_microbatches, costs)
+    program, releases = rank_program(schedule, comm, num_microbatches, costs)
     tied_weight = tied_weight_end(model, num_stages, first, last)
     if tied_weight is not None:  # the ranks' models may have been initialised apart: the head takes the embedding
         comm.share_from_first_(tied_weight.data, first)
-    loss = run_step(program, {stage.stage_idx: stage}, comm, step, tied_weight)
+    loss = run_step(program, {stage.stage_idx: stage}, comm, step, tied_weight, releases)
     return loss if last else None
 
 

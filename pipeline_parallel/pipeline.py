@@ -17,7 +17,7 @@ from .models.decoder import (DecoderParts, check_layout, check_shared_parameters
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import build_schedule
+from .schedules import build_schedule, send_releases
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -31,25 +31,27 @@ def planning_costs(config, layer_counts: list[int], seq_len: int) -> tuple[float
 
 
 def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tuple[float, ...],
-                 forward_only: bool = False, split: int | None = None) -> list:
-    """This rank's validated action list of `schedule`, planned with these relative stage costs.
+                 forward_only: bool = False, split: int | None = None) -> tuple[list, dict]:
+    """This rank's validated action list of `schedule`, planned with these relative stage costs, and
+    the sends it may let go of early (see `send_releases`).
 
     Plans are kept (`_planned`): planning the split of backwards takes time (seconds at 32 stages),
     and a Pipeline whose sequence lengths vary, or the classic API, asks again and again.
     """
     args = (schedule, comm.pp_size, num_microbatches, comm.prefetch_receives, tuple(costs), forward_only, split)
     try:
-        plan = _planned(*args)
+        programs, releases = _planned(*args)
     except TypeError:  # an unhashable, so bad, argument: build_schedule says what is wrong with it
-        plan = _planned.__wrapped__(*args)
-    return list(plan[comm.pp_rank])
+        programs, releases = _planned.__wrapped__(*args)
+    return list(programs[comm.pp_rank]), releases[comm.pp_rank]
 
 
 # Typed: 2.0 == 2 and True == 1 hash alike, and a hit must not hand back a plan build_schedule would refuse them.
 @functools.lru_cache(maxsize=256, typed=True)
 def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split) -> tuple:
-    return tuple(map(tuple, build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch,
-                                           forward_only=forward_only, stage_costs=list(costs), split=split)))
+    lowered = build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch, forward_only=forward_only,
+                             stage_costs=list(costs), split=split)
+    return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages))
 
 
 class Pipeline:
@@ -109,7 +111,7 @@ class Pipeline:
                 raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
             seed = check_seed("seed", seed, hint=" (weights a model on meta gets are drawn from it)")
-            self.layer_counts, self.program, self._eval_program = self._plan(model, layer_counts, seq_len)
+            self.layer_counts, (self.program, self._releases), self._eval_plan = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
             dtypes, tied = _parameter_dtypes(model), is_tied(model)
             # The residual stream between stages keeps the embedding's dtype (autocast computes in
@@ -141,7 +143,7 @@ class Pipeline:
         self.last_step_seconds = 0.0
 
     def _plan(self, model: nn.Module, layer_counts, seq_len: int):
-        """Layers per stage and this rank's train and eval programs; raises on bad arguments
+        """Layers per stage and this rank's train and eval plans (see `rank_program`); raises on bad arguments
         (`build_schedule` checks the schedule, microbatch count and split)."""
         check_layout(model)
         check_int("seq_len", seq_len, hint=" (the sequence length to balance the stages for)")
@@ -155,7 +157,8 @@ class Pipeline:
         return layer_counts, train, self._program(model.config, layer_counts, seq_len, forward_only=True)
 
     def _program(self, config, layer_counts, seq_len: int, forward_only: bool = False):
-        """This rank's action list for batches of `seq_len` (one plan serves lengths of near costs)."""
+        """This rank's action list for batches of `seq_len` (one plan serves lengths of near costs), and
+        its sends to let go of early."""
         return rank_program(self.schedule, self.comm, self.num_microbatches,
                             planning_costs(config, layer_counts, seq_len),
                             forward_only=forward_only, split=None if forward_only else self.split)
@@ -198,10 +201,10 @@ class Pipeline:
             step.labels = labels.to(self.device, torch.long).chunk(m)
             step.loss_scales = [1.0 / info.num_target_tokens] * m
         if training:  # the same on every rank: they agreed on the sequence length
-            self.program = self._program(self.config, self.layer_counts, info.seq_len)
-        program = self.program if training else self._eval_program
+            self.program, self._releases = self._program(self.config, self.layer_counts, info.seq_len)
+        program, releases = (self.program, self._releases) if training else self._eval_plan
         start = time.perf_counter()
-        loss = run_step(program, {self.stage_idx: self.stage}, self.comm, step, self._tied_weight)
+        loss = run_step(program, {self.stage_idx: self.stage}, self.comm, step, self._tied_weight, releases)
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
 

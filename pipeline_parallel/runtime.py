@@ -33,12 +33,14 @@ class StepData:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
-def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData
-                ) -> Exception | None:
+def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData,
+                send_releases: dict[Action, tuple[Action, ...]] | None = None) -> Exception | None:
     """Run `program` (this rank's lowered actions) for one step.
 
     Consecutive comm actions are posted as one batch when the next compute action comes up
-    (or at the end); a compute action waits only for the receive it consumes (see `_Mailbox`).
+    (or at the end); a compute action waits only for the receive it consumes (see `_Mailbox`),
+    then for the sends `send_releases` says the peers have taken by then, so their tensors go
+    (see `schedules.send_releases`).
 
     If a compute action raises, the rest of the program still makes every transfer, handing on
     zeros in place of results, so no other rank is left waiting for this one; the error is
@@ -53,6 +55,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         mailbox.post()
         stage = stages[action.stage]
         data = mailbox.take(action, stage.num_stages)
+        mailbox.release((send_releases or {}).get(action, ()))
         result = None
         if error is None:
             start = time.perf_counter()
@@ -77,8 +80,8 @@ class _Mailbox:
     """A step's data between stages: results waiting for their send (or for the next stage on
     this rank), comm actions waiting to be posted, and receives on their way.
 
-    Sends are kept until they complete, so their tensors stay alive, and all transfers are
-    waited for by `finish`.
+    Sends are kept until they complete (or `release` finds them taken), so their tensors stay
+    alive, and all transfers are waited for by `finish`.
     """
 
     def __init__(self, comm: PipeComm, step: StepData):
@@ -87,6 +90,7 @@ class _Mailbox:
         self.produced: dict[Action, torch.Tensor] = {}  # results for neighbours, by `result_of`
         self.received: dict[Action, tuple[torch.Tensor, _Transfers]] = {}  # by RECV action
         self.in_flight: list[_Transfers] = []
+        self.sending: dict[Action, _Transfers] = {}  # by SEND action, where each has a handle of its own
 
     def queue(self, action: Action) -> None:
         self.queued.append(action)
@@ -97,8 +101,9 @@ class _Mailbox:
 
     def post(self) -> None:
         """Start the queued sends and receives as one batch."""
-        ops, recv_keys = [], []
-        for action in self.queued:
+        queued, self.queued = self.queued, []
+        ops = []
+        for action in queued:
             peer = peer_rank(action, self.comm.pp_size)
             if action.kind.is_send:
                 ops.append(("send", self.produced.pop(sent_by(action)), peer))
@@ -106,22 +111,32 @@ class _Mailbox:
                 buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,
                                      device=self.comm.device)
                 ops.append(("recv", buffer, peer))
-                recv_keys.append(action)
-        self.queued.clear()
         if not ops:
             return
         works = self.comm.post(ops)
-        if len(works) == len(ops):  # one handle per op (gloo): a receive waits for itself only
+        own_handles = len(works) == len(ops)
+        if own_handles:  # one handle per op (gloo): a receive waits for itself only
             handles = [_Transfers([work], [tensor]) for work, (_, tensor, _) in zip(works, ops)]
         else:  # one handle for the coalesced batch (nccl): waiting only orders the GPU stream
             handles = [_Transfers(works, [tensor for _, tensor, _ in ops])] * len(ops)
-        recvs = [(tensor, handle) for (op, tensor, _), handle in zip(ops, handles) if op == "recv"]
-        self.received.update(zip(recv_keys, recvs))
+        for action, (_, tensor, _), handle in zip(queued, ops, handles):
+            if action.kind.is_recv:
+                self.received[action] = (tensor, handle)
+            elif own_handles:  # a batch's handle may cover receives still to come: not one to `release`
+                self.sending[action] = handle
         # Forget transfers that have finished, so sent activations are not held to the end of the step.
-        # (gloo's send and receive handles report completion only once waited, so on gloo the sends
-        # stay held until `finish`: one hidden-state-sized tensor per microbatch and direction.)
+        # (gloo's handles report completion only once waited: there `release` waits for the sends.)
         self.in_flight = [transfers for transfers in self.in_flight if not transfers.finished()]
         self.in_flight.extend(handles)
+
+    def release(self, sends: tuple[Action, ...]) -> None:
+        """Wait for `sends`, which their receivers have taken already (so this returns at once), and let
+        go of their tensors; sends posted in a batch under one handle (nccl) are not held here: their
+        handle reports its completion without a wait (see `post`)."""
+        for send in sends:
+            transfers = self.sending.pop(send, None)
+            if transfers is not None:
+                transfers.wait()
 
     def take(self, action: Action, num_stages: int):
         """A compute action's input: the microbatch, the neighbouring stage's result on this rank, or
@@ -196,7 +211,8 @@ def _check_activation(out: torch.Tensor, step: StepData, action: Action) -> None
 
 
 def run_step(
-    program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData, tied_weight=None
+    program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData, tied_weight=None,
+    send_releases: dict[Action, tuple[Action, ...]] | None = None,
 ) -> float:
     """One step on this rank: run the program on its stages (by stage_idx; several where a schedule deals
     more than one stage to a rank), finish the gradients of tied weights, and agree on the outcome.
@@ -204,6 +220,9 @@ def run_step(
     `tied_weight` is the embedding/LM-head matrix when the model ties them and they live on
     different ranks (first and last): each end adds the other's gradient of this step, so both
     hold the gradient of the single shared weight (plus what earlier steps accumulated).
+
+    `send_releases` (see `schedules.send_releases`) lets sent tensors go as soon as their receivers
+    have taken them, where the backend's handles would not say so by themselves (gloo).
 
     Returns the summed scaled loss on every rank. If a compute action failed on any rank, every
     rank raises (the failing one its own error) once all transfers of the step are done, so none
@@ -217,7 +236,7 @@ def run_step(
     if tied:
         tied_weight.grad = None  # this step's part alone is exchanged
     try:
-        error = run_program(program, stages, comm, step)
+        error = run_program(program, stages, comm, step, send_releases)
         if tied:
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
             comm.exchange_add_(this_step, comm.pp_size - 1 if holds_first else 0)

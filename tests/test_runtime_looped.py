@@ -11,7 +11,7 @@ from _models import HIDDEN, IGNORE, assert_grads_close, build, grads, layer_rang
 from pipeline_parallel.comm import PipeComm
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.runtime import StepData, run_step
-from pipeline_parallel.schedules import B, F, lower, simulate, stages_of_rank, validate
+from pipeline_parallel.schedules import B, F, lower, send_releases, simulate, stages_of_rank, validate
 
 
 def _looped(num_ranks: int, num_stages: int, num_microbatches: int):
@@ -42,7 +42,7 @@ def _step(rank: int, world_size: int, num_stages: int, num_microbatches: int):
     step = StepData(activation_shape=(8 // num_microbatches, 6, HIDDEN), activation_dtype=torch.float32,
                     inputs=list(x.chunk(num_microbatches)), labels=list(y.chunk(num_microbatches)),
                     loss_scales=[1.0 / int((y != IGNORE).sum())] * num_microbatches)
-    loss = run_step(program[rank], stages, comm, step)
+    loss = run_step(program[rank], stages, comm, step, send_releases=send_releases(program, num_stages)[rank])
     assert all(stage.num_saved == 0 for stage in stages.values())
     owned = {f"{name}.{param}" for stage in stages.values() for name, module in stage.parts.named_modules()
              for param, _ in module.named_parameters()}

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from pipeline_parallel import ScheduleError, build_schedule
 from pipeline_parallel.schedules import (B, F, Kind, choose_split, estimated_duration, gpipe, lower, makespan,
-                                         one_f_one_b, simulate, split_backwards, validate)
+                                         one_f_one_b, send_releases, simulate, split_backwards, validate)
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -252,6 +252,42 @@ def test_split_where_waited_gives_the_first_stage_its_first_gradient_sooner():
         assert makespan(times) == pytest.approx(f[0] + m * f[1] + i1 + m * b[0]), m
         unsplit = makespan(simulate(lower(gpipe(2, m), 2), 2, cost))
         assert makespan(times) == pytest.approx(unsplit - (b[1] - i1)), m
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_a_send_is_let_go_only_after_its_receiver_took_it(name):
+    """`send_releases` under random compute and transfer times: each send is let go once at most, after it
+    was posted, and only where its receiver has started the compute action taking it (else the runtime's
+    wait would hang on another rank); under 1F1B a rank holds at most p sends at once, whatever m."""
+    rng = random.Random(0)
+    for p in (2, 3, 4):
+        for m in (p, 2 * p + 1):
+            for split in (0, None):
+                lowered = build_schedule(name, p, m, split=split)
+                releases = send_releases(lowered, p)
+                for rank, (actions, released) in enumerate(zip(lowered, releases)):
+                    held, peak = set(), 0
+                    for a in actions:
+                        if a.kind in SEND:
+                            held.add(a)
+                        for send in released.get(a, ()):
+                            held.remove(send)  # posted before, and let go of once
+                        peak = max(peak, len(held))
+                    if name == "1f1b":
+                        assert peak <= p, (p, m, split, rank, peak)
+                    else:  # an activation is known taken when its gradient comes back; after GPipe's
+                        # backwards no message comes back to say the same of the gradients sent
+                        assert held == {a for a in actions if a.kind == Kind.SEND_B}, (p, m, split, rank)
+                for _ in range(4):
+                    costs = {a: rng.uniform(0.2, 2.0) for actions in lowered for a in actions if not a.kind.is_comm}
+                    times = simulate(lowered, p, costs.__getitem__, transfer=rng.uniform(0.0, 1.0))
+                    for released in releases:
+                        for at, sends in released.items():
+                            for send in sends:
+                                (_, _, mb), _, receiver = _message(send)
+                                taker = next(a for a in times if (a.stage, a.mb) == (receiver, mb) and a.kind in (
+                                    (Kind.F,) if send.kind == Kind.SEND_F else (Kind.B, Kind.I)))
+                                assert times[taker][0] < times[at][0], (name, p, m, send, at)
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():

@@ -7,6 +7,7 @@ from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_o
 from .gpipe import gpipe
 from .lowering import add_transfers, lower
 from .one_f_one_b import one_f_one_b
+from .releases import send_releases
 from .simulate import makespan, simulate
 from .split import choose_split, estimated_duration, planned_split, relative_costs, split_backwards
 from .validate import ScheduleError, validate
@@ -47,6 +48,6 @@ def build_schedule(
 
 __all__ = [
     "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "choose_split",
-    "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "simulate", "split_backwards",
+    "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "send_releases", "simulate", "split_backwards",
     "stage_to_rank", "stages_of_rank", "validate",
 ]
