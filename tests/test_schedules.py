@@ -567,6 +567,8 @@ def test_every_tool_refuses_a_list_no_rank_could_run(schedule, num_stages, error
         simulate(schedule, num_stages, lambda a: 1.0)
     with pytest.raises(ScheduleError, match=error):
         validate(schedule, num_stages, 1)
+    with pytest.raises(ScheduleError, match=error):
+        send_releases(schedule, num_stages)
     if compute_only:
         with pytest.raises(ScheduleError, match=error):
             lower(schedule, num_stages)
@@ -595,6 +597,8 @@ def test_a_list_of_compute_actions_given_to_validate_is_told_to_be_lowered():
     with pytest.raises(ScheduleError, match=r"rank 0 runs F0\.0 but never sends its result \(SEND_F0\.0 must follow "
                                             r"it\); lower\(schedule, num_stages\) adds the sends and receives"):
         validate(one_f_one_b(2, 2), 2, 2)
+    with pytest.raises(ScheduleError, match=r"never sends its result .*; lower\(schedule, num_stages\) adds"):
+        send_releases(one_f_one_b(2, 2), 2)
     with pytest.raises(ScheduleError, match=r"lower\(\) takes compute actions only, but the schedule holds SEND_F0\.0: it is lowered already"):
         lower(lower(one_f_one_b(2, 2), 2), 2)
 

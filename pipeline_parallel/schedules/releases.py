@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .actions import Action, Schedule
+from .actions import Action, Schedule, check_well_formed
 from .lowering import message, recv_for
-from .validate import replay_order
+from .validate import _check_transfers_listed, replay_order
 
 
 def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple[Action, ...]]]:
@@ -21,7 +21,11 @@ def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple
     each message tells what its sender knew when sending it, as a vector clock counting the
     compute actions each rank has started. A send is known taken once the clock shows its
     receiver started the compute action that consumes it.
+
+    `lowered` is a list with its transfers (see `lower`); one no rank could run raises ScheduleError.
     """
+    num_stages = check_well_formed(lowered, num_stages)
+    _check_transfers_listed(lowered, num_stages)
     num_ranks = len(lowered)
     position: dict[Action, int] = {}  # a compute action's index among its rank's compute actions
     consumer: dict[tuple, tuple[int, int]] = {}  # message -> (rank, position) of the compute action taking it
