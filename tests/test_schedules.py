@@ -256,9 +256,9 @@ def test_split_where_waited_gives_the_first_stage_its_first_gradient_sooner():
 
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_a_send_is_let_go_only_after_its_receiver_took_it(name):
-    """`send_releases` under random compute and transfer times: each send is let go once at most, after it
-    was posted, and only where its receiver has started the compute action taking it (else the runtime's
-    wait would hang on another rank); under 1F1B a rank holds at most p sends at once, whatever m."""
+    """`send_releases` lets each send go once at most, after it was posted, and only where its receiver
+    has started the compute action taking it (else the runtime's wait would hang on another rank); under
+    1F1B a rank holds at most p sends at once, whatever m."""
     rng = random.Random(0)
     for p in (2, 3, 4):
         for m in (p, 2 * p + 1):
@@ -278,16 +278,36 @@ def test_a_send_is_let_go_only_after_its_receiver_took_it(name):
                     else:  # an activation is known taken when its gradient comes back; after GPipe's
                         # backwards no message comes back to say the same of the gradients sent
                         assert held == {a for a in actions if a.kind == Kind.SEND_B}, (p, m, split, rank)
-                for _ in range(4):
-                    costs = {a: rng.uniform(0.2, 2.0) for actions in lowered for a in actions if not a.kind.is_comm}
-                    times = simulate(lowered, p, costs.__getitem__, transfer=rng.uniform(0.0, 1.0))
-                    for released in releases:
-                        for at, sends in released.items():
-                            for send in sends:
-                                (_, _, mb), _, receiver = _message(send)
-                                taker = next(a for a in times if (a.stage, a.mb) == (receiver, mb) and a.kind in (
-                                    (Kind.F,) if send.kind == Kind.SEND_F else (Kind.B, Kind.I)))
-                                assert times[taker][0] < times[at][0], (name, p, m, send, at)
+                _assert_taken_before_let_go(lowered, p, releases, rng)
+
+
+def test_sends_of_a_looped_schedule_are_let_go_only_after_their_receivers_took_them():
+    """Several stages per rank (an activation may come back to the rank that sent the one before it)."""
+    rng = random.Random(1)
+    for num_ranks, num_stages in ((2, 4), (3, 6), (2, 6)):
+        for m in (1, 3):
+            compute = [[F(stage, mb) for stage in range(rank, num_stages, num_ranks) for mb in range(m)]
+                       + [B(stage, mb) for stage in reversed(range(rank, num_stages, num_ranks)) for mb in range(m)]
+                       for rank in range(num_ranks)]
+            lowered = lower(compute, num_stages)
+            releases = send_releases(lowered, num_stages)
+            assert any(releases), (num_ranks, num_stages, m)
+            _assert_taken_before_let_go(lowered, num_stages, releases, rng)
+
+
+def _assert_taken_before_let_go(lowered, num_stages, releases, rng):
+    """Under random compute and transfer times, each release comes after its send's receiver started
+    the compute action taking it: a release that had not waited for it would, in some run, come first."""
+    for _ in range(4):
+        costs = {a: rng.uniform(0.2, 2.0) for actions in lowered for a in actions if not a.kind.is_comm}
+        times = simulate(lowered, num_stages, costs.__getitem__, transfer=rng.uniform(0.0, 1.0))
+        for released in releases:
+            for at, sends in released.items():
+                for send in sends:
+                    (_, _, mb), _, receiver = _message(send)
+                    taker = next(a for a in times if (a.stage, a.mb) == (receiver, mb) and a.kind in (
+                        (Kind.F,) if send.kind == Kind.SEND_F else (Kind.B, Kind.I)))
+                    assert times[taker][0] < times[at][0], (send, at)
 
 
 def test_gpipe_runs_all_forwards_first_and_1f1b_interleaves():
