@@ -47,6 +47,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     returned for `run_step` to raise on every rank.
     """
     mailbox = _Mailbox(comm, step)
+    send_releases = send_releases or {}
     error: Exception | None = None
     for action in program:
         if action.kind.is_comm:
@@ -55,7 +56,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         mailbox.post()
         stage = stages[action.stage]
         data = mailbox.take(action, stage.num_stages)
-        mailbox.release((send_releases or {}).get(action, ()))
+        mailbox.release(send_releases.get(action, ()))
         result = None
         if error is None:
             start = time.perf_counter()

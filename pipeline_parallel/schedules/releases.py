@@ -27,11 +27,9 @@ def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple
     num_stages = check_well_formed(lowered, num_stages)
     _check_transfers_listed(lowered, num_stages)
     num_ranks = len(lowered)
-    position: dict[Action, int] = {}  # a compute action's index among its rank's compute actions
     consumer: dict[tuple, tuple[int, int]] = {}  # message -> (rank, position) of the compute action taking it
     for rank, actions in enumerate(lowered):
         for index, action in enumerate(a for a in actions if not a.kind.is_comm):
-            position[action] = index
             for recv in recv_for(action, num_stages, num_ranks):
                 consumer[message(recv)] = (rank, index)
     clocks = [[0] * num_ranks for _ in range(num_ranks)]
@@ -48,7 +46,7 @@ def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple
             continue
         for recv in recv_for(action, num_stages, num_ranks):  # what the sender knew comes with its data
             clock[:] = map(max, clock, carried[message(recv)])
-        clock[rank] = position[action] + 1
+        clock[rank] += 1  # the replay yields a rank's actions in its program's order
         taken = [send for send in unreleased[rank] if _started(clock, consumer[message(send)])]
         if taken:
             releases[rank][action] = tuple(taken)
