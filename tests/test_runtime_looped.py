@@ -7,21 +7,12 @@ import pytest
 import torch
 from _dist import run_distributed
 from _models import HIDDEN, IGNORE, assert_grads_close, build, grads, layer_ranges, make_batch, reference_step
+from _schedules import looped
 
 from pipeline_parallel.comm import PipeComm
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.runtime import StepData, run_step
-from pipeline_parallel.schedules import B, F, lower, send_releases, simulate, stages_of_rank, validate
-
-
-def _looped(num_ranks: int, num_stages: int, num_microbatches: int):
-    """Each rank runs the forwards of its stages in order, then their backwards in reverse order."""
-    schedule = []
-    for rank in range(num_ranks):
-        stages = stages_of_rank(rank, num_stages, num_ranks)
-        schedule.append([F(stage, mb) for stage in stages for mb in range(num_microbatches)]
-                        + [B(stage, mb) for stage in reversed(stages) for mb in range(num_microbatches)])
-    return schedule
+from pipeline_parallel.schedules import lower, send_releases, simulate, stages_of_rank, validate
 
 
 def _step(rank: int, world_size: int, num_stages: int, num_microbatches: int):
@@ -31,7 +22,7 @@ def _step(rank: int, world_size: int, num_stages: int, num_microbatches: int):
     x, y = make_batch(8, 6, num_microbatches=num_microbatches)
     expected_loss, expected, _ = reference_step(model, x, y)
     comm = PipeComm(None, "cpu")
-    compute = _looped(world_size, num_stages, num_microbatches)
+    compute = looped(world_size, num_stages, num_microbatches)
     simulate(compute, num_stages, lambda action: 1.0)  # the simulator replays it too (raises on a deadlock)
     program = lower(compute, num_stages, prefetch=comm.prefetch_receives)
     validate(program, num_stages, num_microbatches)

@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import pytest
 import torch.distributed as dist
+from _schedules import looped
 
 from pipeline_parallel import ScheduleError, build_schedule
 from pipeline_parallel.schedules import (B, F, Kind, choose_split, estimated_duration, gpipe, lower, makespan,
@@ -286,10 +287,7 @@ def test_sends_of_a_looped_schedule_are_let_go_only_after_their_receivers_took_t
     rng = random.Random(1)
     for num_ranks, num_stages in ((2, 4), (3, 6), (2, 6)):
         for m in (1, 3):
-            compute = [[F(stage, mb) for stage in range(rank, num_stages, num_ranks) for mb in range(m)]
-                       + [B(stage, mb) for stage in reversed(range(rank, num_stages, num_ranks)) for mb in range(m)]
-                       for rank in range(num_ranks)]
-            lowered = lower(compute, num_stages)
+            lowered = lower(looped(num_ranks, num_stages, m), num_stages)
             releases = send_releases(lowered, num_stages)
             assert any(releases), (num_ranks, num_stages, m)
             _assert_taken_before_let_go(lowered, num_stages, releases, rng)
