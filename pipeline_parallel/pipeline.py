@@ -17,7 +17,7 @@ from .models.decoder import (DecoderParts, check_layout, check_shared_parameters
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import build_schedule, send_releases
+from .schedules import build_schedule, estimated_duration, relative_costs, send_releases
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -33,7 +33,7 @@ def planning_costs(config, layer_counts: list[int], seq_len: int) -> tuple[float
 def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tuple[float, ...],
                  forward_only: bool = False, split: int | None = None) -> tuple[list, dict]:
     """This rank's validated action list of `schedule`, planned with these relative stage costs, and
-    the sends it may let go of early (see `send_releases`).
+    when it may let go of each send before the step's end (see `send_releases`).
 
     Plans are kept (`_planned`): planning the split of backwards takes time (seconds at 32 stages),
     and a Pipeline whose sequence lengths vary, or the classic API, asks again and again.
@@ -51,7 +51,8 @@ def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tu
 def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split) -> tuple:
     lowered = build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch, forward_only=forward_only,
                              stage_costs=list(costs), split=split)
-    return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages))
+    duration = estimated_duration(relative_costs(list(costs), num_stages))  # as the plan was made with
+    return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages, duration))
 
 
 class Pipeline:

@@ -39,8 +39,9 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
 
     Consecutive comm actions are posted as one batch when the next compute action comes up
     (or at the end); a compute action waits only for the receive it consumes (see `_Mailbox`),
-    then for the sends `send_releases` says the peers have taken by then, so their tensors go
-    (see `schedules.send_releases`).
+    then for the sends `send_releases` names there, so their tensors go: those the peers have
+    provably taken by then, and those nothing proves taken, where waiting cannot deadlock (see
+    `schedules.send_releases`).
 
     If a compute action raises, the rest of the program still makes every transfer, handing on
     zeros in place of results, so no other rank is left waiting for this one; the error is
@@ -131,9 +132,10 @@ class _Mailbox:
         self.in_flight.extend(handles)
 
     def release(self, sends: tuple[Action, ...]) -> None:
-        """Wait for `sends`, which their receivers have taken already (so this returns at once), and let
-        go of their tensors; sends posted in a batch under one handle (nccl) are not held here: their
-        handle reports its completion without a wait (see `post`)."""
+        """Wait for `sends` and let go of their tensors. Their receivers have taken them already (this
+        returns at once), or, for a send nothing proves taken, they will without this rank going on
+        (see `schedules.send_releases`). Sends posted in a batch under one handle (nccl) are not held
+        here: their handle reports its completion without a wait (see `post`)."""
         for send in sends:
             transfers = self.sending.pop(send, None)
             if transfers is not None:
@@ -222,8 +224,8 @@ def run_step(
     different ranks (first and last): each end adds the other's gradient of this step, so both
     hold the gradient of the single shared weight (plus what earlier steps accumulated).
 
-    `send_releases` (see `schedules.send_releases`) lets sent tensors go as soon as their receivers
-    have taken them, where the backend's handles would not say so by themselves (gloo).
+    `send_releases` (see `schedules.send_releases`) lets sent tensors go once their receivers have
+    taken them, where the backend's handles would not say so by themselves (gloo).
 
     Returns the summed scaled loss on every rank. If a compute action failed on any rank, every
     rank raises (the failing one its own error) once all transfers of the step are done, so none

@@ -39,9 +39,9 @@ def test_peak_activations_per_rank(schedule):
         assert peaks == [num_microbatches] * world_size
 
 
-def _peak_held_by_transfers(rank: int, world_size: int, num_microbatches: int) -> int:
-    """The most tensors this rank's transfers held at once during a 1F1B step: sends not known
-    complete yet, and receives not yet taken."""
+def _peak_held_by_transfers(rank: int, world_size: int, num_microbatches: int, evaluate: bool = False) -> int:
+    """The most tensors this rank's transfers held at once during a 1F1B step (or an evaluation): sends
+    not known complete yet, and receives not yet taken."""
     from pipeline_parallel import runtime
 
     peak = 0
@@ -55,13 +55,15 @@ def _peak_held_by_transfers(rank: int, world_size: int, num_microbatches: int) -
     runtime._Mailbox.post = counting_post  # this forked rank's own copy of the class
     pipe = pp.Pipeline(build("llama", 4), schedule="1f1b", num_microbatches=num_microbatches, device="cpu")
     x, y = make_batch(num_microbatches, 6, num_microbatches=num_microbatches)
-    pipe.step(x, y)
+    (pipe.evaluate if evaluate else pipe.step)(x, y)
     return peak
 
 
-def test_sent_tensors_do_not_pile_up():
+@pytest.mark.parametrize("evaluate", [False, True], ids=["1f1b", "evaluate"])
+def test_sent_tensors_do_not_pile_up(evaluate):
     """gloo's send handles report completion only once waited; the runtime waits for a send when the
-    schedule proves its receiver has taken it (`send_releases`), so under 1F1B the tensors held for
-    transfers, like the activations, do not grow with the number of microbatches."""
-    few, many = (run_distributed(_peak_held_by_transfers, 2, m, timeout=120) for m in (4, 12))
+    schedule proves its receiver has taken it (`send_releases`), or where nothing ever proves it (an
+    evaluation sends activations only) once waiting for it cannot deadlock, so the tensors held for
+    transfers, like 1F1B's activations, do not grow with the number of microbatches."""
+    few, many = (run_distributed(_peak_held_by_transfers, 2, m, evaluate, timeout=120) for m in (4, 12))
     assert few == many, (few, many)

@@ -267,13 +267,7 @@ def test_a_send_is_let_go_only_after_its_receiver_took_it(name):
                 lowered = build_schedule(name, p, m, split=split)
                 releases = send_releases(lowered, p)
                 for rank, (actions, released) in enumerate(zip(lowered, releases)):
-                    held, peak = set(), 0
-                    for a in actions:
-                        if a.kind in SEND:
-                            held.add(a)
-                        for send in released.get(a, ()):
-                            held.remove(send)  # posted before, and let go of once
-                        peak = max(peak, len(held))
+                    peak, held = _holding(actions, released)
                     if name == "1f1b":
                         assert peak <= p, (p, m, split, rank, peak)
                     else:  # an activation is known taken when its gradient comes back; after GPipe's
@@ -291,6 +285,79 @@ def test_sends_of_a_looped_schedule_are_let_go_only_after_their_receivers_took_t
             releases = send_releases(lowered, num_stages)
             assert any(releases), (num_ranks, num_stages, m)
             _assert_taken_before_let_go(lowered, num_stages, releases, rng)
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_a_send_never_proven_taken_is_let_go_where_waiting_for_it_cannot_deadlock(forward_only):
+    """With estimated times, `send_releases` also lets go of the sends nothing proves taken (all of a
+    forward-only step's, GPipe's last gradients), at a wait that may block but must not close a cycle:
+    a replay where each such wait holds its rank until the receiver takes the send runs to the end,
+    under any stage costs, also with several stages per rank, where sends go both ways between ranks.
+    The proven releases stay; a forward-only step holds at most 3 sends at once, whatever m."""
+    rng = random.Random(2)
+    cases = [(build_schedule(name, p, m, forward_only=forward_only), p)
+             for name in GENERATORS for p in (2, 3, 4) for m in (p, 2 * p + 1, 16)]
+    for num_ranks, num_stages in ((2, 4), (3, 6), (2, 6)):
+        for m in (1, 3, 5):
+            compute = looped(num_ranks, num_stages, m)
+            if forward_only:
+                compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
+            cases.append((lower(compute, num_stages), num_stages))
+    for lowered, num_stages in cases:
+        proven = send_releases(lowered, num_stages)
+        for costs in [[1.0] * num_stages] + [[rng.uniform(0.2, 2.0) for _ in range(num_stages)] for _ in range(3)]:
+            releases = send_releases(lowered, num_stages, estimated_duration(costs))
+            for known, ours in zip(proven, releases):
+                assert all(set(sends) <= set(ours[at]) for at, sends in known.items())
+            peaks = [_holding(actions, released)[0] for actions, released in zip(lowered, releases)]
+            _assert_runs_to_the_end(lowered, num_stages, releases)
+            if forward_only and num_stages == len(lowered) and costs == [1.0] * num_stages:
+                assert max(peaks) <= 3, (num_stages, costs, peaks)
+
+
+def _holding(actions, released) -> tuple[int, set]:
+    """The most sends a rank holds at once (posted, not let go of yet), and those it holds at the end."""
+    held, peak = set(), 0
+    for a in actions:
+        if a.kind in SEND:
+            held.add(a)
+        for send in released.get(a, ()):
+            held.remove(send)  # posted before, and let go of once
+        peak = max(peak, len(held))
+    return peak, held
+
+
+def _assert_runs_to_the_end(lowered, num_stages, releases):
+    """Replay all ranks: a compute action starts once its input was sent and each send released there
+    was taken by its receiver (started the compute action consuming it). No rank may be left stuck."""
+    num_ranks = len(lowered)
+
+    def taker(send):
+        (direction, _, mb), _, receiver = _message(send)
+        kinds = (Kind.F,) if direction == "F" else (Kind.B, Kind.I)
+        return next(a for actions in lowered for a in actions if a.kind in kinds and (a.stage, a.mb) == (receiver, mb))
+
+    def input_sent(a):
+        source = a.stage - 1 if a.kind == Kind.F else a.stage + 1
+        if a.kind == Kind.W or not 0 <= source < num_stages or source % num_ranks == a.stage % num_ranks:
+            return True  # no input from another rank (the program order keeps a local one)
+        return ("F" if a.kind == Kind.F else "B", source, a.mb) in sent
+
+    pcs, sent, started = [0] * num_ranks, set(), set()
+    while any(pc < len(actions) for pc, actions in zip(pcs, lowered)):
+        moved = False
+        for rank, actions in enumerate(lowered):
+            while pcs[rank] < len(actions):
+                a = actions[pcs[rank]]
+                if a.kind in SEND:
+                    sent.add(_message(a)[0])
+                elif not a.kind.is_comm:
+                    if not input_sent(a) or any(taker(send) not in started for send in releases[rank].get(a, ())):
+                        break
+                    started.add(a)
+                pcs[rank] += 1
+                moved = True
+        assert moved, [actions[pc] for pc, actions in zip(pcs, lowered) if pc < len(actions)]
 
 
 def _assert_taken_before_let_go(lowered, num_stages, releases, rng):

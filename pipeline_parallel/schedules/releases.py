@@ -1,16 +1,21 @@
-"""When a rank may let go of what it sent: as soon as the schedule proves the peer has received it."""
+"""When a rank may let go of what it sent: as soon as the schedule proves the peer has received it,
+or, for a send nothing ever proves taken, once waiting for it can no longer deadlock."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .actions import Action, Schedule, check_well_formed
 from .lowering import message, recv_for
+from .simulate import simulate
 from .validate import _check_transfers_listed, replay_order
 
 
-def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple[Action, ...]]]:
-    """For each rank, the SENDs it may wait for when each of its compute actions has taken its
-    input, because by then the receiving rank has provably taken them: waiting on them returns at
-    once, never on another rank's progress.
+def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action], float] | None = None,
+                  ) -> list[dict[Action, tuple[Action, ...]]]:
+    """For each rank, the SENDs it may wait for (and then let go of) when each of its compute actions
+    has taken its input: those the receiving rank has provably taken by then, so waiting on them
+    returns at once, never on another rank's progress; with `duration`, also those nothing proves.
 
     The runtime needs this where a backend's send handles report completion only once waited
     (gloo): there every sent tensor would otherwise stay held until the step's end, one per
@@ -22,16 +27,26 @@ def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple
     compute actions each rank has started. A send is known taken once the clock shows its
     receiver started the compute action that consumes it.
 
+    Some sends no message ever proves taken: all of a forward-only step's, and the gradients a
+    rank sends after the last message it receives (GPipe's). With `duration` (each compute
+    action's estimated time, as `simulate` takes it) those are let go of too, at the first compute
+    action of their rank that starts after the consuming action ended in the simulated step. That
+    wait blocks if the receiver runs late, but it cannot deadlock: the simulation ran every action
+    after those it depends on, and each such wait's consuming action before the waiting one, so
+    one order meets every dependency and every wait at once.
+
     `lowered` is a list with its transfers (see `lower`); one no rank could run raises ScheduleError.
     """
     num_stages = check_well_formed(lowered, num_stages)
     _check_transfers_listed(lowered, num_stages)
     num_ranks = len(lowered)
     consumer: dict[tuple, tuple[int, int]] = {}  # message -> (rank, position) of the compute action taking it
+    taker: dict[tuple, Action] = {}  # message -> that compute action
     for rank, actions in enumerate(lowered):
         for index, action in enumerate(a for a in actions if not a.kind.is_comm):
             for recv in recv_for(action, num_stages, num_ranks):
                 consumer[message(recv)] = (rank, index)
+                taker[message(recv)] = action
     clocks = [[0] * num_ranks for _ in range(num_ranks)]
     carried: dict[tuple, list[int]] = {}  # message -> its sender's clock when posting it
     unreleased: list[list[Action]] = [[] for _ in range(num_ranks)]
@@ -51,7 +66,29 @@ def send_releases(lowered: Schedule, num_stages: int) -> list[dict[Action, tuple
         if taken:
             releases[rank][action] = tuple(taken)
             unreleased[rank] = [send for send in unreleased[rank] if send not in taken]
+    if duration is not None:
+        _add_safe_waits(lowered, num_stages, duration, unreleased, taker, releases)
     return releases
+
+
+def _add_safe_waits(lowered: Schedule, num_stages: int, duration: Callable[[Action], float],
+                    unreleased: list[list[Action]], taker: dict[tuple, Action],
+                    releases: list[dict[Action, tuple[Action, ...]]]) -> None:
+    """Release each send of `unreleased` where waiting for it cannot deadlock (see `send_releases`)."""
+    times = simulate(lowered, num_stages, duration)
+    ran = {action: index for index, action in enumerate(times)}  # the order the simulation ran them in
+    for rank, actions in enumerate(lowered):
+        never_proven, posted = set(unreleased[rank]), []
+        for action in actions:
+            if action in never_proven:
+                posted.append(action)
+            elif not action.kind.is_comm and posted:
+                start = times[action][0]
+                due = [send for send in posted
+                       if ran[taker[message(send)]] < ran[action] and times[taker[message(send)]][1] <= start]
+                if due:
+                    releases[rank][action] = releases[rank].get(action, ()) + tuple(due)
+                    posted = [send for send in posted if send not in due]
 
 
 def _started(clock: list[int], at: tuple[int, int]) -> bool:
