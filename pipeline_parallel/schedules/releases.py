@@ -40,13 +40,12 @@ def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action
     num_stages = check_well_formed(lowered, num_stages)
     _check_transfers_listed(lowered, num_stages)
     num_ranks = len(lowered)
-    consumer: dict[tuple, tuple[int, int]] = {}  # message -> (rank, position) of the compute action taking it
-    taker: dict[tuple, Action] = {}  # message -> that compute action
+    # message -> the compute action taking it: (rank, its position among the rank's compute actions, action)
+    taker: dict[tuple, tuple[int, int, Action]] = {}
     for rank, actions in enumerate(lowered):
         for index, action in enumerate(a for a in actions if not a.kind.is_comm):
             for recv in recv_for(action, num_stages, num_ranks):
-                consumer[message(recv)] = (rank, index)
-                taker[message(recv)] = action
+                taker[message(recv)] = (rank, index, action)
     clocks = [[0] * num_ranks for _ in range(num_ranks)]
     carried: dict[tuple, list[int]] = {}  # message -> its sender's clock when posting it
     unreleased: list[list[Action]] = [[] for _ in range(num_ranks)]
@@ -62,7 +61,7 @@ def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action
         for recv in recv_for(action, num_stages, num_ranks):  # what the sender knew comes with its data
             clock[:] = map(max, clock, carried[message(recv)])
         clock[rank] += 1  # the replay yields a rank's actions in its program's order
-        taken = [send for send in unreleased[rank] if _started(clock, consumer[message(send)])]
+        taken = [send for send in unreleased[rank] if _started(clock, taker[message(send)])]
         if taken:
             releases[rank][action] = tuple(taken)
             unreleased[rank] = [send for send in unreleased[rank] if send not in taken]
@@ -72,26 +71,25 @@ def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action
 
 
 def _add_safe_waits(lowered: Schedule, num_stages: int, duration: Callable[[Action], float],
-                    unreleased: list[list[Action]], taker: dict[tuple, Action],
+                    unreleased: list[list[Action]], taker: dict[tuple, tuple[int, int, Action]],
                     releases: list[dict[Action, tuple[Action, ...]]]) -> None:
     """Release each send of `unreleased` where waiting for it cannot deadlock (see `send_releases`)."""
     times = simulate(lowered, num_stages, duration)
     ran = {action: index for index, action in enumerate(times)}  # the order the simulation ran them in
     for rank, actions in enumerate(lowered):
-        never_proven, posted = set(unreleased[rank]), []
+        never_proven, posted = set(unreleased[rank]), []  # posted: (send, the compute action taking it)
         for action in actions:
             if action in never_proven:
-                posted.append(action)
+                posted.append((action, taker[message(action)][2]))
             elif not action.kind.is_comm and posted:
                 start = times[action][0]
-                due = [send for send in posted
-                       if ran[taker[message(send)]] < ran[action] and times[taker[message(send)]][1] <= start]
+                due = [send for send, took in posted if ran[took] < ran[action] and times[took][1] <= start]
                 if due:
                     releases[rank][action] = releases[rank].get(action, ()) + tuple(due)
-                    posted = [send for send in posted if send not in due]
+                    posted = [(send, took) for send, took in posted if send not in due]
 
 
-def _started(clock: list[int], at: tuple[int, int]) -> bool:
-    """Whether `clock` shows that the compute action at (rank, position) has started."""
-    rank, index = at
+def _started(clock: list[int], taker: tuple[int, int, Action]) -> bool:
+    """Whether `clock` shows that the compute action at (rank, position, action) has started."""
+    rank, index, _ = taker
     return clock[rank] > index
