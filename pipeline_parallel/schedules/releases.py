@@ -3,6 +3,7 @@ or, for a send nothing ever proves taken, once waiting for it can no longer dead
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable
 
 from .actions import Action, Schedule, check_well_formed
@@ -48,38 +49,45 @@ def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action
                 taker[message(recv)] = (rank, index, action)
     clocks = [[0] * num_ranks for _ in range(num_ranks)]
     carried: dict[tuple, list[int]] = {}  # message -> its sender's clock when posting it
-    unreleased: list[list[Action]] = [[] for _ in range(num_ranks)]
+    # Each rank's sends not yet known taken, by receiving rank: heaps of (the taker's position, the
+    # order posted, send), so a compute action looks only at the next send each receiver will take.
+    unreleased: list[dict[int, list[tuple[int, int, Action]]]] = [{} for _ in range(num_ranks)]
     releases: list[dict[Action, tuple[Action, ...]]] = [{} for _ in range(num_ranks)]
-    for rank, action in replay_order(lowered, num_stages):
+    for posted, (rank, action) in enumerate(replay_order(lowered, num_stages)):
         clock = clocks[rank]
         if action.kind.is_send:
             carried[message(action)] = clock.copy()
-            unreleased[rank].append(action)
+            receiver, position, _ = taker[message(action)]
+            heapq.heappush(unreleased[rank].setdefault(receiver, []), (position, posted, action))
             continue
         if action.kind.is_comm:
             continue
         for recv in recv_for(action, num_stages, num_ranks):  # what the sender knew comes with its data
             clock[:] = map(max, clock, carried[message(recv)])
         clock[rank] += 1  # the replay yields a rank's actions in its program's order
-        taken = [send for send in unreleased[rank] if _started(clock, taker[message(send)])]
+        taken = []
+        for receiver, waiting in unreleased[rank].items():
+            while waiting and clock[receiver] > waiting[0][0]:
+                taken.append(heapq.heappop(waiting))
         if taken:
-            releases[rank][action] = tuple(taken)
-            unreleased[rank] = [send for send in unreleased[rank] if send not in taken]
+            releases[rank][action] = tuple(send for _, _, send in sorted(taken, key=lambda entry: entry[1]))
     if duration is not None:
-        _add_safe_waits(lowered, num_stages, duration, unreleased, taker, releases)
+        never_proven = [{send for waiting in by_receiver.values() for _, _, send in waiting}
+                        for by_receiver in unreleased]
+        _add_safe_waits(lowered, num_stages, duration, never_proven, taker, releases)
     return releases
 
 
 def _add_safe_waits(lowered: Schedule, num_stages: int, duration: Callable[[Action], float],
-                    unreleased: list[list[Action]], taker: dict[tuple, tuple[int, int, Action]],
+                    never_proven: list[set[Action]], taker: dict[tuple, tuple[int, int, Action]],
                     releases: list[dict[Action, tuple[Action, ...]]]) -> None:
-    """Release each send of `unreleased` where waiting for it cannot deadlock (see `send_releases`)."""
+    """Release each rank's sends of `never_proven` where waiting for them cannot deadlock (see `send_releases`)."""
     times = simulate(lowered, num_stages, duration)
     ran = {action: index for index, action in enumerate(times)}  # the order the simulation ran them in
     for rank, actions in enumerate(lowered):
-        never_proven, posted = set(unreleased[rank]), []  # posted: (send, the compute action taking it)
+        posted = []  # (send, the compute action taking it)
         for action in actions:
-            if action in never_proven:
+            if action in never_proven[rank]:
                 posted.append((action, taker[message(action)][2]))
             elif not action.kind.is_comm and posted:
                 start = times[action][0]
@@ -87,9 +95,3 @@ def _add_safe_waits(lowered: Schedule, num_stages: int, duration: Callable[[Acti
                 if due:
                     releases[rank][action] = releases[rank].get(action, ()) + tuple(due)
                     posted = [(send, took) for send, took in posted if send not in due]
-
-
-def _started(clock: list[int], taker: tuple[int, int, Action]) -> bool:
-    """Whether `clock` shows that the compute action at (rank, position, action) has started."""
-    rank, index, _ = taker
-    return clock[rank] > index
