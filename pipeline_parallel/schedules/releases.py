@@ -53,12 +53,12 @@ def send_releases(lowered: Schedule, num_stages: int, duration: Callable[[Action
     # order posted, send), so a compute action looks only at the next send each receiver will take.
     unreleased: list[dict[int, list[tuple[int, int, Action]]]] = [{} for _ in range(num_ranks)]
     releases: list[dict[Action, tuple[Action, ...]]] = [{} for _ in range(num_ranks)]
-    for posted, (rank, action) in enumerate(replay_order(lowered, num_stages)):
+    for order, (rank, action) in enumerate(replay_order(lowered, num_stages)):
         clock = clocks[rank]
         if action.kind.is_send:
             carried[message(action)] = clock.copy()
             receiver, position, _ = taker[message(action)]
-            heapq.heappush(unreleased[rank].setdefault(receiver, []), (position, posted, action))
+            heapq.heappush(unreleased[rank].setdefault(receiver, []), (position, order, action))
             continue
         if action.kind.is_comm:
             continue
