@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -34,6 +37,7 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, timeout: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a rank hangs, when it times out
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -75,9 +79,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             pending = [r for r in range(world_size) if r not in outputs]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                for r in pending:  # each prints its Python stack to stderr
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(procs[r].pid, signal.SIGUSR1)
+                time.sleep(1)
                 raise TimeoutError(
                     f"run_distributed: ranks {pending} of {world_size} did not finish within "
-                    f"{timeout}s (deadlock, or a rank waiting on a collective?); killed them"
+                    f"{timeout}s (deadlock, or a rank waiting on a collective? their stacks are on stderr); "
+                    "killed them"
                 )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))

@@ -1,6 +1,9 @@
 """The benchmark script runs end to end (tiny sizes): its figures are what the README records."""
 
+import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -8,10 +11,21 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_vs_torch.py"
 
 
+def _run(*options: str, timeout: float) -> subprocess.CompletedProcess:
+    """The benchmark in a session of its own, so that a timeout ends its ranks too, not only their parent."""
+    process = subprocess.Popen([sys.executable, str(SCRIPT), *options], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 def test_benchmark_runs_and_reports_every_engine_and_the_targets():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "2", "--batch", "4", "--microbatches", "2",
-                          "--seq-len", "16", "--vocab", "256", "--warmup", "0", "--torch-with-our-compute"],
-                         capture_output=True, text=True, timeout=300)
+    out = _run("--rounds", "2", "--batch", "4", "--microbatches", "2", "--seq-len", "16", "--vocab", "256",
+               "--warmup", "0", "--torch-with-our-compute", timeout=300)
     assert out.returncode == 0, out.stderr
     number = r"\d+\.\d{3}"
     for engine in ("ours gpipe", "ours 1f1b", "torch gpipe", "torch 1f1b", "torch gpipe \\+our compute",
@@ -26,6 +40,5 @@ def test_benchmark_runs_and_reports_every_engine_and_the_targets():
 
 
 def test_benchmark_refuses_bad_options_in_one_line():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--batch", "5", "--microbatches", "2"],
-                         capture_output=True, text=True, timeout=60)
+    out = _run("--batch", "5", "--microbatches", "2", timeout=60)
     assert out.returncode == 2 and "--batch 5 does not split into --microbatches 2" in out.stderr
