@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import inspect
 import os
 import queue
 import random
@@ -236,14 +237,11 @@ def _single_step(model, x, y):
 
 
 def _torch_step(schedule, x, y, first, last):
-    if first and last:
-        schedule.step(x, target=y, return_outputs=False)
-    elif first:
-        schedule.step(x)
-    elif last:
-        schedule.step(target=y, return_outputs=False)
-    else:
-        schedule.step()
+    args = (x,) if first else ()
+    kwargs = {"target": y} if last else {}
+    if last and "return_outputs" in inspect.signature(schedule.step).parameters:
+        kwargs["return_outputs"] = False  # no merged outputs to make (torch 2.8 always makes them)
+    schedule.step(*args, **kwargs)
 
 
 def main() -> None:
