@@ -136,8 +136,9 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
             module = _TorchStage(model, DecoderParts.of(model, indices, first, last), our_compute=ours)
             stage = PipelineStage(module, rank, world, torch.device("cpu"))
             schedule = cls(stage, args.microbatches, loss_fn=module.loss_fn)
-            engines[f"torch {name}{suffix}"] = (lambda s=schedule, m=module: (_torch_step(s, x, y, first, last),
-                                                                               m.zero_grad()))
+            step_args, step_kwargs = _torch_step_inputs(schedule, x, y, first, last)
+            engines[f"torch {name}{suffix}"] = (lambda s=schedule, m=module, a=step_args, k=step_kwargs:
+                                                (s.step(*a, **k), m.zero_grad()))
 
     # Rounds over all engines, each running a short block of consecutive steps, as in training.
     # Ratios are taken within a round, between blocks a few seconds apart, so the drift of a busy
@@ -236,12 +237,13 @@ def _single_step(model, x, y):
     model.zero_grad()
 
 
-def _torch_step(schedule, x, y, first, last):
+def _torch_step_inputs(schedule, x, y, first, last) -> tuple[tuple, dict]:
+    """What this rank passes to `schedule.step`, decided once, outside the timed steps."""
     args = (x,) if first else ()
     kwargs = {"target": y} if last else {}
     if last and "return_outputs" in inspect.signature(schedule.step).parameters:
         kwargs["return_outputs"] = False  # no merged outputs to make (torch 2.8 always makes them)
-    schedule.step(*args, **kwargs)
+    return args, kwargs
 
 
 def main() -> None:
