@@ -433,9 +433,11 @@ def test_gemma_before_transformers_5_is_refused():
         pp.Pipeline(build("gemma", 2), schedule="1f1b", num_microbatches=2, device="cpu")
 
 
-def _family(model_type: str, **extra):
+def _family(model_type: str, windows: bool = False, **extra):
     """A tiny Hugging Face causal LM of `model_type`, fp32, with weights far from zero; None if this
-    transformers version lacks it."""
+    transformers version lacks it. With `windows` its config also says that layer 0 of 2 attends over a
+    sliding window of 3 tokens (`sliding_window`, `layer_types`), which the family's forward reads its
+    own way or not at all (as when a checkpoint's config.json holds keys its family ignores)."""
     import transformers
 
     try:
@@ -445,6 +447,11 @@ def _family(model_type: str, **extra):
             pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
     except (KeyError, ValueError):
         return None
+    for key, value in config.to_dict().items():  # no dropout unless asked (Seed-OSS's default is 0.1)
+        if key.endswith(("dropout", "pdrop")) and isinstance(value, float) and key not in extra:
+            setattr(config, key, 0.0)
+    if windows:
+        config.sliding_window, config.layer_types = 3, ["sliding_attention", "full_attention"]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
@@ -455,14 +462,25 @@ def _family(model_type: str, **extra):
     return model
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
-def test_supported_model_families_match_their_own_forward(model_type):
-    """A stage runs the model's modules, not its forward: for every supported family the two must agree."""
+@pytest.mark.parametrize("windows", [False, True], ids=["plain", "windows"])
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+def test_supported_model_families_match_their_own_forward(model_type, windows):
+    """A stage runs the model's modules, not its forward: for every supported family the two must agree,
+    also where the config speaks of sliding windows (8 tokens, a window of 3), which matter exactly
+    where the family's forward reads them, as `SUPPORTED_MODEL_TYPES` says."""
     if model_type == "gemma" and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused, tested above)")
-    model = _family(model_type)
+    model = _family(model_type, windows)
     if model is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    if not hasattr(model.model, "rotary_emb"):  # JetMoE before transformers 5 rotates inside each attention
+        with pytest.raises(TypeError, match=r"is not a supported decoder-only causal LM: missing \['model.rotary_emb'\]"):
+            pp.Pipeline(model, num_microbatches=2, device="cpu")
+        return
+    if windows and model_type == "qwen2_moe" and TRANSFORMERS_MAJOR < 5:
+        with pytest.raises(TypeError, match="before transformers 5, Qwen2-MoE's forward applies its window"):
+            pp.Pipeline(model, num_microbatches=2, device="cpu")
+        return
     ref = copy.deepcopy(model)
     x, y = make_batch(4, 8, num_microbatches=2)
     loss = pp.Pipeline(model, num_microbatches=2, device="cpu").step(x, y)
@@ -470,6 +488,10 @@ def test_supported_model_families_match_their_own_forward(model_type):
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
     assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
+    if windows:
+        with torch.no_grad():
+            windowless = full_loss(_family(model_type), x, y).item()
+        assert (ref_loss.item() != pytest.approx(windowless, abs=1e-4)) == (SUPPORTED_MODEL_TYPES[model_type] != "causal")
 
 
 def test_a_layer_reparametrised_after_construction_trains_as_it_runs():
@@ -511,6 +533,15 @@ def test_starcoder2_embedding_dropout_is_applied_as_its_forward_does():
         assert full_loss(ref.eval(), x, y).item() != pytest.approx(ref_loss.item(), abs=1e-3)  # dropout matters
     assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
     assert_grads_close(grads(model), grads(ref), set(grads(ref)), what="starcoder2")
+
+
+def test_a_layer_kind_without_a_mask_of_ours_is_refused():
+    """A layer the forward would mask another way (chunked, linear attention) must not get a causal mask."""
+    model = _family("qwen2")
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(TypeError, match=r"decoder layers of kind 'chunked_attention' \(config.layer_types\); a "
+                                        r"pipeline stage masks 'full_attention' and 'sliding_attention' layers only"):
+        pp.Pipeline(model, num_microbatches=2, device="cpu")
 
 
 @pytest.mark.parametrize("model_type, extra, error, message", [

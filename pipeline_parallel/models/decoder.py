@@ -140,10 +140,14 @@ _RUN_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "architec
 def hf_float32() -> dict[str, torch.dtype]:
     """The keyword argument that makes transformers build or load a model in float32: `dtype` from
     4.56 on, `torch_dtype` before (4.55 hands an unknown `dtype` on to the model's __init__)."""
+    return {"dtype" if _transformers_version() >= (4, 56) else "torch_dtype": torch.float32}
+
+
+def _transformers_version() -> tuple[int, int]:
     import transformers
 
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+    return major, minor
 
 
 def model_settings(config) -> dict[str, object]:
@@ -170,11 +174,18 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
     return model.model.embed_tokens.weight
 
 
-# Hugging Face model types whose `*ForCausalLM.forward` computes nothing beyond the modules a stage
-# runs (embedding, layers, norm, head), checked against the unpipelined model by the tests. Others,
-# such as Gemma 2/3, Cohere and Granite, scale or cap the embeddings or logits in forward itself.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo",
-                         "olmo2", "stablelm", "starcoder2", "gemma")
+# Hugging Face model types whose `*ForCausalLM.forward` computes nothing beyond the modules a stage runs
+# (embedding, layers, norm, head), checked against the unpipelined model by the tests, each with how that
+# forward picks a layer's attention mask: "causal" (every layer, whatever the config says of windows),
+# "window" (every layer sliding-window when config.sliding_window is set) or "layer_types" (layer i as
+# config.layer_types[i] says). Others, such as Gemma 2/3, Cohere and Granite, scale or cap the embeddings
+# or logits in forward itself; some pass other masks or inputs to some layers (Llama 4, hybrids).
+SUPPORTED_MODEL_TYPES = {
+    **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma"), "causal"),
+    **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2"), "window"),
+    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3"), "layer_types"),
+}
+_MASKED_KINDS = ("full_attention", "sliding_attention")
 
 
 def check_layout(model: nn.Module) -> None:
@@ -211,7 +222,21 @@ def check_layout(model: nn.Module) -> None:
             f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
             "model's modules, and some families (Gemma 2/3, Cohere, Granite, ...) also scale or cap embeddings "
             f"or logits in their forward, which would silently train another function. Supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    if model_type == "qwen2_moe" and _transformers_version() < (5, 0) and (
+            getattr(model.config, "sliding_window", None) is not None or "sliding_attention" in layer_types):
+        raise TypeError(
+            f"{type(model).__name__} with a sliding window: before transformers 5, Qwen2-MoE's forward applies its "
+            "window in a way of its own for each attention implementation, which a pipeline stage does not follow; "
+            "upgrade transformers to 5.x, or set config.use_sliding_window = False and config.sliding_window = None"
+        )
+    unknown = sorted(set(layer_types) - set(_MASKED_KINDS))
+    if unknown and SUPPORTED_MODEL_TYPES[model_type] == "layer_types":  # the other families' forwards ignore them
+        raise TypeError(
+            f"{type(model).__name__} has decoder layers of kind {', '.join(map(repr, unknown))} (config.layer_types); "
+            f"a pipeline stage masks {' and '.join(map(repr, _MASKED_KINDS))} layers only"
         )
     if _scales_embeddings_outside(model):
         raise TypeError(
@@ -233,15 +258,15 @@ def _scales_embeddings_outside(model: nn.Module) -> bool:
 
 
 def attention_kind(config, layer_idx: int) -> str:
-    """"full_attention" or "sliding_attention" for a decoder layer, decided as the HF model does.
-
-    Models that mix both (Qwen2 with sliding layers, Gemma 2/3) list `config.layer_types`;
-    Mistral-style models slide every layer when `config.sliding_window` is set.
-    """
-    layer_types = getattr(config, "layer_types", None)
+    """"full_attention" or "sliding_attention" for a decoder layer, decided as the model's own forward
+    does (see SUPPORTED_MODEL_TYPES): a stray `sliding_window` or `layer_types` in a config whose forward
+    never reads it changes nothing there, so it must change nothing here. Our own Llama's are all full."""
+    rule = SUPPORTED_MODEL_TYPES.get(str(getattr(config, "model_type", ""))) if is_hf_config(config) else "causal"
+    layer_types = getattr(config, "layer_types", None) if rule == "layer_types" else None
     if layer_types:
         return layer_types[layer_idx]
-    if is_hf_config(config) and getattr(config, "sliding_window", None) is not None:
+    # A "layer_types" family in a transformers version whose config lists none slides as "window" does.
+    if rule != "causal" and getattr(config, "sliding_window", None) is not None:
         return "sliding_attention"
     return "full_attention"
 
