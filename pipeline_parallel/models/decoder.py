@@ -181,9 +181,14 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
 # config.layer_types[i] says). Others, such as Gemma 2/3, Cohere and Granite, scale or cap the embeddings
 # or logits in forward itself; some pass other masks or inputs to some layers (Llama 4, hybrids).
 SUPPORTED_MODEL_TYPES = {
-    **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma"), "causal"),
-    **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2"), "window"),
-    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3"), "layer_types"),
+    **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma", "apertus", "apertus1p5_text", "arcee", "aria_text",
+                     "bitnet", "diffllama", "ernie4_5", "ernie4_5_moe", "exaone", "flex_olmo", "glm", "glm4", "glm4_moe",
+                     "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2",
+                     "jetmoe", "minimax_m2", "minimax_m3_vl_text", "nemotron", "olmoe", "sarvam_moe", "seed_oss",
+                     "solar_open"), "causal"),
+    **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3"), "window"),
+    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "cwm", "exaone4", "exaone_moe", "flint", "gpt_oss", "kolibri1",
+                     "ministral", "smollm3"), "layer_types"),
 }
 _MASKED_KINDS = ("full_attention", "sliding_attention")
 
