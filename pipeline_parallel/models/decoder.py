@@ -235,7 +235,8 @@ def check_layout(model: nn.Module) -> None:
         raise TypeError(
             f"{type(model).__name__} with a sliding window: before transformers 5, Qwen2-MoE's forward applies its "
             "window in a way of its own for each attention implementation, which a pipeline stage does not follow; "
-            "upgrade transformers to 5.x, or set config.use_sliding_window = False and config.sliding_window = None"
+            "upgrade transformers to 5.x, or set config.use_sliding_window = False and config.sliding_window = None, "
+            "with no 'sliding_attention' left in config.layer_types"
         )
     unknown = sorted(set(layer_types) - set(_MASKED_KINDS))
     if unknown and SUPPORTED_MODEL_TYPES[model_type] == "layer_types":  # the other families' forwards ignore them
