@@ -494,6 +494,28 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
         assert (ref_loss.item() != pytest.approx(windowless, abs=1e-4)) == (SUPPORTED_MODEL_TYPES[model_type] != "causal")
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attention):
+    """The very mask, not only one that computes the same: none where sdpa's is_causal serves (its fast
+    kernels take no mask tensor), the same tensor where one is needed (eager, sliding windows)."""
+    model = _family(model_type, windows=model_type != "llama", attn_implementation=attention)
+    seen = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["attention_mask"]),
+                                             with_kwargs=True) for layer in model.model.layers]
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        model(x)
+        DecoderParts.of(model, range(2), first=True, last=True).forward(x)
+    for hook in hooks:
+        hook.remove()
+    own, stage = seen[:2], seen[2:]
+    for index, (expected, got) in enumerate(zip(own, stage)):
+        assert (got is None) == (expected is None), f"layer {index}: mask {got} where the forward gives {expected}"
+        if expected is not None:
+            assert torch.equal(got, expected), f"layer {index}"
+
+
 def test_a_layer_reparametrised_after_construction_trains_as_it_runs():
     """Weight norm (or an adapter) added inside a layer after the Pipeline split the model: the
     stage runs the layer as it is, so the step is that of the same change on one process."""

@@ -293,8 +293,9 @@ def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, slidin
     params = _mask_params()
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = hidden
     kwargs["cache" if "cache" in params else "past_key_values"] = None  # renamed in transformers 5.24
-    if "cache_position" in params:  # transformers < 5
-        kwargs["cache_position"] = position_ids[0]
+    if "cache_position" in params:  # transformers < 5, which takes a mask with position_ids and no cache for packed
+        kwargs["cache_position"] = position_ids[0]  # sequences: a [batch, 1, seq, seq] tensor where sdpa needs none
+        kwargs["position_ids"] = None
     return create(**kwargs)
 
 
