@@ -433,6 +433,14 @@ def test_gemma_before_transformers_5_is_refused():
         pp.Pipeline(build("gemma", 2), schedule="1f1b", num_microbatches=2, device="cpu")
 
 
+# Tiny sizes for the families with multi-head latent attention and routed experts (DeepSeek V2/V3's).
+_LATENT_ATTENTION = dict(num_key_value_heads=4, head_dim=4, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                         kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                         topk_group=1, moe_intermediate_size=16)
+_FAMILY_CONFIG = dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "youtu"),
+                               _LATENT_ATTENTION)
+
+
 def _family(model_type: str, windows: bool = False, **extra):
     """A tiny Hugging Face causal LM of `model_type`, fp32, with weights far from zero; None if this
     transformers version lacks it. With `windows` its config also says that layer 0 of 2 attends over a
@@ -440,11 +448,12 @@ def _family(model_type: str, windows: bool = False, **extra):
     own way or not at all (as when a checkpoint's config.json holds keys its family ignores)."""
     import transformers
 
+    settings = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                    eos_token_id=2)
     try:
         config = transformers.AutoConfig.for_model(
-            model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+            model_type, **{**settings, **_FAMILY_CONFIG.get(model_type, {}), **extra})
     except (KeyError, ValueError):
         return None
     for key, value in config.to_dict().items():  # no dropout unless asked (Seed-OSS's default is 0.1)
@@ -475,6 +484,11 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     if not hasattr(model.model, "rotary_emb"):  # JetMoE before transformers 5 rotates inside each attention
         with pytest.raises(TypeError, match=r"is not a supported decoder-only causal LM: missing \['model.rotary_emb'\]"):
+            pp.Pipeline(model, num_microbatches=2, device="cpu")
+        return
+    if model_type == "gemma3_text" and TRANSFORMERS_MAJOR < 5:  # global and local rotary tables, two arguments
+        with pytest.raises(TypeError, match=r"decoder layers \(Gemma3DecoderLayer\) require position_embeddings_global, "
+                                            r"position_embeddings_local, which its own forward makes"):
             pp.Pipeline(model, num_microbatches=2, device="cpu")
         return
     if windows and model_type == "qwen2_moe" and TRANSFORMERS_MAJOR < 5:
@@ -568,7 +582,12 @@ def test_a_layer_kind_without_a_mask_of_ours_is_refused():
 
 @pytest.mark.parametrize("model_type, extra, error, message", [
     ("gemma2", {}, TypeError, r"model_type 'gemma2'\) is not supported: .*scale or cap embeddings or logits"),
-    ("gemma3_text", {}, TypeError, r"model_type 'gemma3_text'\) is not supported"),
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, TypeError,
+     r"Gemma3ForCausalLM with config.final_logit_softcapping = 30.0: its forward then does more .* set "
+     r"config.final_logit_softcapping = None"),
+    # eager: under sdpa a stage's full-attention mask is None and the layer's own is_causal=False, which agree
+    ("gemma3_text", {"use_bidirectional_attention": True, "attn_implementation": "eager"}, TypeError,
+     r"config.use_bidirectional_attention = True"),
     ("cohere", {}, TypeError, r"model_type 'cohere'\) is not supported"),
     ("granite", {"logits_scaling": 8.0}, TypeError, r"model_type 'granite'\) is not supported"),
     ("mixtral", {"output_router_logits": True}, ValueError, r"output_router_logits=True: .*router's auxiliary loss"),
@@ -583,7 +602,7 @@ def test_families_whose_forward_does_more_are_refused(model_type, extra, error, 
             try:
                 stage_logits = DecoderParts.of(model, range(2), first=True, last=True).forward(x)
                 assert not torch.allclose(model(x).logits, stage_logits, atol=1e-4)
-            except TypeError:  # Gemma 3's rotary embedding needs an argument only its forward knows
+            except TypeError:  # Gemma 3's layers before transformers 5 need arguments only its forward makes
                 pass
     with pytest.raises(error, match=message):
         pp.Pipeline(model, num_microbatches=2, device="cpu")

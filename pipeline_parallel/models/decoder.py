@@ -73,14 +73,17 @@ class DecoderParts:
                 hidden = nn.functional.dropout(hidden, p=dropout, training=self.decoder.training)
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        masks: dict[str, object] = {}  # one per attention kind the stage's layers use
+        per_kind = _rotary_takes_layer_type(type(self.rotary_emb))  # rotary tables of each kind's own (Gemma 3)
+        shared = None if per_kind else self.rotary_emb(hidden, position_ids)
+        inputs: dict[str, tuple] = {}  # (mask, rotary tables) for each attention kind the stage's layers use
         for index, layer in self.layers:
             kind = attention_kind(self.config, index)
-            if kind not in masks:
-                masks[kind] = causal_mask(self.config, hidden, position_ids, sliding=kind == "sliding_attention")
+            if kind not in inputs:
+                inputs[kind] = (causal_mask(self.config, hidden, position_ids, sliding=kind == "sliding_attention"),
+                                self.rotary_emb(hidden, position_ids, kind) if per_kind else shared)
+            mask, position_embeddings = inputs[kind]
             hidden = layer(
-                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
+                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
             )
             if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
                 hidden = hidden[0]
@@ -178,18 +181,23 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
 # (embedding, layers, norm, head), checked against the unpipelined model by the tests, each with how that
 # forward picks a layer's attention mask: "causal" (every layer, whatever the config says of windows),
 # "window" (every layer sliding-window when config.sliding_window is set) or "layer_types" (layer i as
-# config.layer_types[i] says). Others, such as Gemma 2/3, Cohere and Granite, scale or cap the embeddings
-# or logits in forward itself; some pass other masks or inputs to some layers (Llama 4, hybrids).
+# config.layer_types[i] says; the rotary tables too where they differ by kind). Others, such as Gemma 2,
+# Cohere and Granite, scale or cap the embeddings or logits in forward itself; some pass other masks or
+# inputs to some layers (Llama 4, hybrids).
 SUPPORTED_MODEL_TYPES = {
     **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma", "apertus", "apertus1p5_text", "arcee", "aria_text",
-                     "bitnet", "diffllama", "ernie4_5", "ernie4_5_moe", "exaone", "flex_olmo", "glm", "glm4", "glm4_moe",
-                     "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2",
-                     "jetmoe", "minimax_m2", "minimax_m3_vl_text", "nemotron", "olmoe", "sarvam_moe", "seed_oss",
-                     "solar_open"), "causal"),
+                     "axk1", "bitnet", "deepseek_v2", "deepseek_v3", "diffllama", "ernie4_5", "ernie4_5_moe", "exaone",
+                     "flex_olmo", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "helium", "hunyuan_v1_dense",
+                     "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "minimax_m2",
+                     "minimax_m3_vl_text", "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open",
+                     "youtu"), "causal"),
     **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3"), "window"),
-    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "cwm", "exaone4", "exaone_moe", "flint", "gpt_oss", "kolibri1",
-                     "ministral", "smollm3"), "layer_types"),
+    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "cwm", "exaone4", "exaone_moe", "flint", "gemma3_text", "gpt_oss",
+                     "kolibri1", "laguna", "mellum", "mimo_v2_flash", "ministral", "olmo3", "smollm3"), "layer_types"),
 }
+# Config switches a family's forward reads beyond its modules: a stage trains the family only while they are
+# off (None or False), as in the released checkpoints.
+_FORWARD_SWITCHES = {"gemma3_text": ("final_logit_softcapping", "use_bidirectional_attention")}
 _MASKED_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -220,15 +228,26 @@ def check_layout(model: nn.Module) -> None:
         )
     _check_vocab_rows(model)
     if not is_hf_config(model.config):
+        _check_layer_arguments(model)
         return
     model_type = str(getattr(model.config, "model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
             f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
-            "model's modules, and some families (Gemma 2/3, Cohere, Granite, ...) also scale or cap embeddings "
+            "model's modules, and some families (Gemma 2, Cohere, Granite, ...) also scale or cap embeddings "
             f"or logits in their forward, which would silently train another function. Supported model types: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
+    switched_on = {name: getattr(model.config, name) for name in _FORWARD_SWITCHES.get(model_type, ())
+                   if getattr(model.config, name, None) not in (None, False)}
+    if switched_on:
+        raise TypeError(
+            f"{type(model).__name__} with {', '.join(f'config.{k} = {v!r}' for k, v in switched_on.items())}: its "
+            "forward then does more than the modules a pipeline stage runs (caps the logits, or lets tokens attend "
+            f"ahead), which would silently train another function; set "
+            f"{' and '.join(f'config.{k} = None' for k in switched_on)}"
+        )
+    _check_layer_arguments(model)
     layer_types = getattr(model.config, "layer_types", None) or ()
     if model_type == "qwen2_moe" and _transformers_version() < (5, 0) and (
             getattr(model.config, "sliding_window", None) is not None or "sliding_attention" in layer_types):
@@ -255,6 +274,27 @@ def check_layout(model: nn.Module) -> None:
             f"{type(model).__name__} has output_router_logits=True: its forward adds the router's auxiliary "
             "loss, which the pipeline's cross-entropy leaves out; set config.output_router_logits = False"
         )
+
+
+_LAYER_ARGUMENTS = frozenset({"attention_mask", "position_ids", "position_embeddings"})  # what a stage passes
+
+
+def _check_layer_arguments(model: nn.Module) -> None:
+    """Raise if a decoder layer requires an argument a stage does not pass: its model's forward makes
+    something for it the stage does not know how to (Gemma 3 before transformers 5 takes global and
+    local rotary tables as two arguments of their own)."""
+    layers = model.model.layers
+    for layer_type in {type(layer) for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers)}:
+        params = list(inspect.signature(layer_type.forward).parameters.values())[2:]  # after self, hidden states
+        required = [p.name for p in params if p.default is p.empty and p.name not in _LAYER_ARGUMENTS
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if required:
+            hint = "; a newer transformers may lay the family out as a stage runs it (Gemma 3 from 5.0 on)" \
+                if is_hf_config(model.config) else ""
+            raise TypeError(
+                f"{type(model).__name__}'s decoder layers ({layer_type.__name__}) require {', '.join(required)}, "
+                f"which its own forward makes and a pipeline stage does not: a stage passes each layer "
+                f"{', '.join(sorted(_LAYER_ARGUMENTS))} only{hint}")
 
 
 def _scales_embeddings_outside(model: nn.Module) -> bool:
@@ -320,6 +360,13 @@ def is_hf_config(config) -> bool:
     except ImportError:
         return False
     return isinstance(config, PretrainedConfig)
+
+
+@functools.cache
+def _rotary_takes_layer_type(rotary_type: type) -> bool:
+    """Whether the rotary embedding makes tables per layer kind, `rotary_emb(x, position_ids, layer_type)`
+    (Gemma 3, OLMo 3, ...), which the family's forward calls once for each kind in config.layer_types."""
+    return "layer_type" in inspect.signature(rotary_type.forward).parameters
 
 
 @functools.cache
