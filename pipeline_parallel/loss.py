@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from .models.decoder import ForwardScales
 
 IGNORE_INDEX = -100
 
@@ -19,7 +24,8 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class HeadLoss:
-    """`loss_sum(head(hidden), labels) * scale`, whose backward through the head runs outside autograd.
+    """`loss_sum(head(hidden), labels) * scale`, whose backward through the head runs outside autograd;
+    with `scales`, of the logits as the family's forward scales them.
 
     The gradient of the logits is known once the loss is, so the forward keeps it instead of a
     graph. The backward is then two matmuls: `input_grad` gives the gradient of `hidden`, and
@@ -30,12 +36,16 @@ class HeadLoss:
     gradient no one watches (`stage.head_loss_applies`).
     """
 
-    def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float):
+    def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
+                 scales: ForwardScales | None = None):
         self.weight, self.shape, self.dtype = head.weight, hidden.shape, hidden.dtype
         with torch.no_grad():
             tokens = hidden.detach().flatten(0, -2)
             logits = F.linear(tokens, self.weight)  # in autocast's dtype under autocast, as head(hidden)
-            self.loss, grad = _loss_and_logits_grad(logits, labels.flatten(), scale)
+            scaled = logits if scales is None else scales.scale_logits(logits)  # what the family's forward returns
+            self.loss, grad = _loss_and_logits_grad(scaled, labels.flatten(), scale)
+            if scales is not None:
+                grad = scales.head_grad_(grad, scaled)
             # The backward's operands in the dtype the forward's matmul took them.
             self.grad, self.tokens = grad.to(logits.dtype), tokens.to(logits.dtype)
 

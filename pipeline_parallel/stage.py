@@ -45,7 +45,7 @@ class PipelineStage:
         with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens):
             if self.is_last and training and head_loss_applies(self.parts.lm_head):
                 hidden = self.parts.forward(x, head=False)
-                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale)
+                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales)
                 self._saved[mb] = _Saved(x, hidden, head)
                 return head.loss
             out = self.parts.forward(x)

@@ -33,6 +33,12 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+def _without_rotary():
+    model = build("llama", 2)
+    model.model.rotary_emb = None
+    return model
+
+
 def _vocab_beyond_embedding():
     """A Hugging Face Llama whose config claims more tokens than its embedding and head hold."""
     model = build("llama", 4)
@@ -197,6 +203,9 @@ PIPELINE_CASES = {
                       r"Linear is not a supported decoder-only causal LM.*LlamaForCausalLM"),
     "layout-gpt2": (lambda r, w, g: pp.Pipeline(_gpt2(), device="cpu", group=g), (TypeError, ValueError),
                     r"GPT2LMHeadModel is not a supported decoder-only causal LM: missing .*model\.embed_tokens"),
+    # Granite-MoE before transformers 5 without rope positions ("nope") holds rotary_emb = None
+    "layout-rotary-none": (lambda r, w, g: pp.Pipeline(_without_rotary(), device="cpu", group=g), TypeError,
+                           r"LlamaForCausalLM is not a supported decoder-only causal LM: missing \['model.rotary_emb'\]"),
     "vocab-beyond-embedding": (lambda r, w, g: pp.Pipeline(_vocab_beyond_embedding(), device="cpu", group=g),
                                ValueError, r"config.vocab_size is \d+ but model.embed_tokens has \d+ rows, so token "
                                r"IDs .* set config.vocab_size = \d+ or resize the embeddings"),
@@ -664,7 +673,7 @@ def test_after_a_step_stopped_mid_transfer_the_pipeline_refuses_to_communicate()
 SINGLE = [
     "vocab-beyond-embedding", "classic-vocab-beyond-embedding",
     "unknown-schedule", "schedule-none", "seed-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
-    "split-bool-after-a-plan", "layout-linear", "layout-gpt2",
+    "split-bool-after-a-plan", "layout-linear", "layout-gpt2", "layout-rotary-none",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",
     "batch-not-divisible-3", "evaluate-bad-ids", "classic-list-lengths", "classic-target-shape",

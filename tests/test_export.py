@@ -503,12 +503,12 @@ def test_an_interrupted_export_leaves_a_whole_one_in_place(tmp_path, monkeypatch
 
 
 def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):
-    """Gemma 2 caps its logits in forward, which a stage would skip: the run stops at once."""
-    config = transformers.Gemma2Config(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
-    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "gemma2")
-    with pytest.raises(ConfigError, match=r"hf_model: Gemma2ForCausalLM \(model_type 'gemma2'\) is not supported"):
+    """Phi-MoE's forward computes what a stage running its modules would not: the run stops at once."""
+    config = transformers.PhimoeConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "phimoe")
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "phimoe")
+    with pytest.raises(ConfigError, match=r"hf_model: PhimoeForCausalLM \(model_type 'phimoe'\) is not supported"):
         Trainer(cfg)
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 

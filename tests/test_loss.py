@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_parallel.loss import IGNORE_INDEX, HeadLoss, loss_sum
+from pipeline_parallel.models.decoder import ForwardScales
 from pipeline_parallel.stage import head_loss_applies
 
 VOCAB = 50
@@ -88,9 +89,9 @@ def test_a_second_backward_through_the_same_loss_is_refused():
         loss.backward()
 
 
-def _head_by_autograd(hidden, head, labels, scale):
+def _head_by_autograd(hidden, head, labels, scale, scales):
     hidden = hidden.clone().requires_grad_()
-    loss = loss_sum(head(hidden), labels) * scale
+    loss = loss_sum(scales.scale_logits(head(hidden)), labels) * scale
     loss.backward()
     return loss.detach(), hidden.grad
 
@@ -99,9 +100,15 @@ def _head_by_autograd(hidden, head, labels, scale):
                                                   (torch.float32, torch.bfloat16, 1e-6)],
                          ids=["float32", "bfloat16", "autocast-bfloat16"])
 @pytest.mark.parametrize("grad_before", [False, True], ids=["no-grad-yet", "accumulating"])
-def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol, grad_before):
+@pytest.mark.parametrize("scales", [ForwardScales(), ForwardScales(logits=0.3), ForwardScales(softcap=0.5),
+                                    ForwardScales(logits=2.5, softcap=0.5)], ids=["plain", "scaled", "capped", "both"])
+def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol, grad_before, scales):
     """Loss, the hidden states' gradient and the head's accumulated weight gradient, with ignored
-    rows; under autocast the matmuls take its dtype and the gradients come back in the tensors' own."""
+    rows; under autocast the matmuls take its dtype and the gradients come back in the tensors' own.
+    Also of logits scaled and capped as some families' forwards do (a cap near the logits' size), whose
+    chain rule HeadLoss takes in float32 where autograd takes it in autocast's dtype: they agree to its rounding."""
+    if autocast and scales != ForwardScales():
+        tol = 1e-2  # as bfloat16's own
     torch.manual_seed(0)
     head = nn.Linear(16, VOCAB, bias=False).to(dtype)
     hidden = torch.randn(3, 7, 16, dtype=dtype)
@@ -111,12 +118,12 @@ def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol,
 
     head.weight.grad = None if before is None else before.clone()
     with context():
-        want_loss, want_hidden_grad = _head_by_autograd(hidden, head, labels, 0.25)
+        want_loss, want_hidden_grad = _head_by_autograd(hidden, head, labels, 0.25, scales)
     want_weight_grad = head.weight.grad
 
     head.weight.grad = None if before is None else before.clone()
     with context():
-        got = HeadLoss(hidden, head, labels, 0.25)
+        got = HeadLoss(hidden, head, labels, 0.25, scales)
     hidden_grad = got.input_grad()
     got.add_weight_grad()
     assert hidden_grad.dtype == hidden.dtype and head.weight.grad.dtype == head.weight.dtype

@@ -7,6 +7,7 @@ results against the reference computed here in the parent on a copy of the same 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,7 +20,7 @@ from _dist import run_distributed
 from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
 
 import pipeline_parallel as pp
-from pipeline_parallel.models.decoder import SUPPORTED_MODEL_TYPES, DecoderParts
+from pipeline_parallel.models.decoder import SUPPORTED_MODEL_TYPES, DecoderParts, ForwardScales
 from pipeline_parallel.schedules.actions import input_of, result_of
 
 MAX_NORM = 0.05
@@ -427,18 +428,26 @@ def test_weights_loaded_into_a_meta_model_are_kept():
 
 
 @pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 scales Gemma's embeddings in the embedding module")
-def test_gemma_before_transformers_5_is_refused():
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
+def test_gemma_before_transformers_5_is_refused(model_type):
     """GemmaModel.forward scales embeddings itself there; a stage would silently skip it."""
     with pytest.raises(TypeError, match="upgrade transformers"):
-        pp.Pipeline(build("gemma", 2), schedule="1f1b", num_microbatches=2, device="cpu")
+        pp.Pipeline(_family(model_type), schedule="1f1b", num_microbatches=2, device="cpu")
 
 
 # Tiny sizes for the families with multi-head latent attention and routed experts (DeepSeek V2/V3's).
 _LATENT_ATTENTION = dict(num_key_value_heads=4, head_dim=4, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                          kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
                          topk_group=1, moe_intermediate_size=16)
-_FAMILY_CONFIG = dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "youtu"),
-                               _LATENT_ATTENTION)
+# Scales that matter for the families whose forward scales embeddings or logits (the defaults are often 1).
+_MULTIPLIERS = dict(embedding_multiplier=3.0, logits_scaling=2.5)
+_FAMILY_CONFIG = {
+    **dict.fromkeys(("axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "sarvam_mla", "youtu"), _LATENT_ATTENTION),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), _MULTIPLIERS),
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), dict(final_logit_softcapping=0.5)),
+    "afmoe": dict(mup_enabled=True),
+    "minicpm3": dict(_LATENT_ATTENTION, dim_model_base=8),  # logits_scaling = hidden_size / dim_model_base
+}
 
 
 def _family(model_type: str, windows: bool = False, **extra):
@@ -477,7 +486,7 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
     """A stage runs the model's modules, not its forward: for every supported family the two must agree,
     also where the config speaks of sliding windows (8 tokens, a window of 3), which matter exactly
     where the family's forward reads them, as `SUPPORTED_MODEL_TYPES` says."""
-    if model_type == "gemma" and TRANSFORMERS_MAJOR < 5:
+    if model_type in ("gemma", "gemma2") and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused, tested above)")
     model = _family(model_type, windows)
     if model is None:
@@ -528,6 +537,25 @@ def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attent
         assert (got is None) == (expected is None), f"layer {index}: mask {got} where the forward gives {expected}"
         if expected is not None:
             assert torch.equal(got, expected), f"layer {index}"
+
+
+@pytest.mark.parametrize("model_type", ["afmoe", "cohere", "cohere2", "cohere2_moe", "gemma2", "gemma3_text",
+                                        "granite", "granitemoe", "granitemoeshared", "hyperclovax", "minicpm3",
+                                        "vaultgemma"])
+def test_families_that_scale_in_forward_get_their_scales(model_type):
+    """Their forward scales embeddings or logits (or caps the logits) beyond the modules: a stage's logits
+    equal the forward's with the scales `ForwardScales.of` reads, and differ without them, so that the
+    family test above shows them applied."""
+    model = _family(model_type)
+    if model is None or (model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5):
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type} a stage runs")
+    parts = DecoderParts.of(model, range(2), first=True, last=True)
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        want = model(x).logits
+        torch.testing.assert_close(parts.forward(x), want, atol=1e-5, rtol=1e-5)
+        unscaled = dataclasses.replace(parts, scales=ForwardScales()).forward(x)
+    assert parts.scales != ForwardScales() and not torch.allclose(unscaled, want, atol=1e-3)
 
 
 def test_a_layer_reparametrised_after_construction_trains_as_it_runs():
@@ -581,15 +609,11 @@ def test_a_layer_kind_without_a_mask_of_ours_is_refused():
 
 
 @pytest.mark.parametrize("model_type, extra, error, message", [
-    ("gemma2", {}, TypeError, r"model_type 'gemma2'\) is not supported: .*scale or cap embeddings or logits"),
-    ("gemma3_text", {"final_logit_softcapping": 30.0}, TypeError,
-     r"Gemma3ForCausalLM with config.final_logit_softcapping = 30.0: its forward then does more .* set "
-     r"config.final_logit_softcapping = None"),
+    ("nanochat", {}, TypeError, r"model_type 'nanochat'\) is not supported: .*a norm on the embeddings"),
     # eager: under sdpa a stage's full-attention mask is None and the layer's own is_causal=False, which agree
     ("gemma3_text", {"use_bidirectional_attention": True, "attn_implementation": "eager"}, TypeError,
-     r"config.use_bidirectional_attention = True"),
-    ("cohere", {}, TypeError, r"model_type 'cohere'\) is not supported"),
-    ("granite", {"logits_scaling": 8.0}, TypeError, r"model_type 'granite'\) is not supported"),
+     r"Gemma3ForCausalLM with config.use_bidirectional_attention = True: its forward then does more .* set "
+     r"config.use_bidirectional_attention = None"),
     ("mixtral", {"output_router_logits": True}, ValueError, r"output_router_logits=True: .*router's auxiliary loss"),
 ])
 def test_families_whose_forward_does_more_are_refused(model_type, extra, error, message):

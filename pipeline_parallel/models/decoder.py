@@ -11,6 +11,39 @@ import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class ForwardScales:
+    """What a family's forward does around its modules: the embeddings times `embedding`, the logits times
+    `logits` and then capped at `softcap` (c * tanh(logits / c)): Granite's multipliers, Cohere's logit
+    scale, Gemma 2's cap. Nothing for most families."""
+
+    embedding: float = 1.0
+    logits: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ForwardScales:
+        """The scales the family's forward applies, read where it reads them (`_FORWARD_SCALES`)."""
+        model_type = str(getattr(model.config, "model_type", "")) if is_hf_config(model.config) else ""
+        return _FORWARD_SCALES[model_type](model) if model_type in _FORWARD_SCALES else cls()
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the family's forward returns, from those of its head, computed as it computes them."""
+        if self.logits != 1.0:
+            logits = logits * self.logits
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def head_grad_(self, grad: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        """The gradient of the head's logits from that of `scaled = scale_logits(...)`, in place of both."""
+        if self.softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh(x / c)^2
+            grad.mul_(scaled.div_(self.softcap).square_().neg_().add_(1))
+        if self.logits != 1.0:
+            grad.mul_(self.logits)
+        return grad
+
+
 @dataclass
 class DecoderParts:
     """A stage's view of a model laid out as `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`.
@@ -27,6 +60,7 @@ class DecoderParts:
     norm: nn.Module | None = None
     lm_head: nn.Module | None = None
     decoder: nn.Module | None = None  # `model.model` on the first stage: its mode decides embedding dropout
+    scales: ForwardScales = ForwardScales()
 
     @classmethod
     def of(cls, model: nn.Module, layer_indices: range, first: bool, last: bool) -> DecoderParts:
@@ -42,6 +76,7 @@ class DecoderParts:
             norm=model.model.norm if last else None,
             lm_head=model.lm_head if last else None,
             decoder=model.model if first else None,
+            scales=ForwardScales.of(model),
         )
 
     def named_modules(self) -> list[tuple[str, nn.Module]]:
@@ -68,6 +103,8 @@ class DecoderParts:
         hidden = x
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(x)
+            if self.scales.embedding != 1.0:
+                hidden = hidden * self.scales.embedding
             dropout = getattr(self.config, "embedding_dropout", 0.0)  # StarCoder2's, applied in its forward
             if dropout:
                 hidden = nn.functional.dropout(hidden, p=dropout, training=self.decoder.training)
@@ -89,7 +126,7 @@ class DecoderParts:
                 hidden = hidden[0]
         if self.norm is not None:
             hidden = self.norm(hidden)
-        return self.lm_head(hidden) if head and self.lm_head is not None else hidden
+        return self.scales.scale_logits(self.lm_head(hidden)) if head and self.lm_head is not None else hidden
 
 
 def check_shared_parameters(model: nn.Module, stage_layers: list[range], hint: str) -> None:
@@ -178,26 +215,41 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
 
 
 # Hugging Face model types whose `*ForCausalLM.forward` computes nothing beyond the modules a stage runs
-# (embedding, layers, norm, head), checked against the unpipelined model by the tests, each with how that
-# forward picks a layer's attention mask: "causal" (every layer, whatever the config says of windows),
-# "window" (every layer sliding-window when config.sliding_window is set) or "layer_types" (layer i as
-# config.layer_types[i] says; the rotary tables too where they differ by kind). Others, such as Gemma 2,
-# Cohere and Granite, scale or cap the embeddings or logits in forward itself; some pass other masks or
-# inputs to some layers (Llama 4, hybrids).
+# (embedding, layers, norm, head) but what `_FORWARD_SCALES` says, checked against the unpipelined model by
+# the tests, each with how that forward picks a layer's attention mask: "causal" (every layer, whatever the
+# config says of windows), "window" (every layer sliding-window when config.sliding_window is set) or
+# "layer_types" (layer i as config.layer_types[i] says; the rotary tables too where they differ by kind).
+# Others do more in forward: a norm on the embeddings (NanoChat), other masks or inputs for some layers
+# (Llama 4's chunks, hybrids of attention and linear attention).
 SUPPORTED_MODEL_TYPES = {
     **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma", "apertus", "apertus1p5_text", "arcee", "aria_text",
-                     "axk1", "bitnet", "deepseek_v2", "deepseek_v3", "diffllama", "ernie4_5", "ernie4_5_moe", "exaone",
-                     "flex_olmo", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "helium", "hunyuan_v1_dense",
-                     "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "minimax_m2",
-                     "minimax_m3_vl_text", "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open",
-                     "youtu"), "causal"),
+                     "axk1", "bitnet", "cohere", "deepseek_v2", "deepseek_v3", "diffllama", "ernie4_5", "ernie4_5_moe",
+                     "exaone", "flex_olmo", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "granite", "granitemoe",
+                     "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
+                     "internlm3", "iquestcoder", "jais2", "jetmoe", "minicpm3", "minimax_m2", "minimax_m3_vl_text",
+                     "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open", "youtu"), "causal"),
     **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3"), "window"),
-    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "cwm", "exaone4", "exaone_moe", "flint", "gemma3_text", "gpt_oss",
-                     "kolibri1", "laguna", "mellum", "mimo_v2_flash", "ministral", "olmo3", "smollm3"), "layer_types"),
+    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "afmoe", "cohere2", "cohere2_moe", "cwm", "exaone4", "exaone_moe",
+                     "flint", "gemma2", "gemma3_text", "gpt_oss", "kolibri1", "laguna", "mellum", "mimo_v2_flash",
+                     "ministral", "olmo3", "smollm3", "vaultgemma"), "layer_types"),
+}
+# What some of them do in forward to the embeddings or logits, read where their forward reads it.
+# (A divisor is taken as a multiplier: the logits may differ from the forward's in their last bit.)
+_FORWARD_SCALES = {
+    "afmoe": lambda model: ForwardScales(embedding=model.config.hidden_size ** 0.5 if model.config.mup_enabled
+                                         else 1.0),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda model: ForwardScales(logits=model.logit_scale)),
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"),
+                    lambda model: ForwardScales(softcap=model.config.final_logit_softcapping)),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), lambda model: ForwardScales(
+        embedding=model.model.embedding_multiplier, logits=1 / model.config.logits_scaling)),
+    "hyperclovax": lambda model: ForwardScales(embedding=model.model.embedding_multiplier,
+                                               logits=model.config.logits_scaling),
+    "minicpm3": lambda model: ForwardScales(logits=1 / model.config.logits_scaling),  # divides the head's input
 }
 # Config switches a family's forward reads beyond its modules: a stage trains the family only while they are
 # off (None or False), as in the released checkpoints.
-_FORWARD_SWITCHES = {"gemma3_text": ("final_logit_softcapping", "use_bidirectional_attention")}
+_FORWARD_SWITCHES = {"gemma3_text": ("use_bidirectional_attention",)}
 _MASKED_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -213,7 +265,7 @@ def check_layout(model: nn.Module) -> None:
             ("model.rotary_emb", inner, "rotary_emb"),
             ("lm_head", model, "lm_head"),
         ]
-        if owner is None or not hasattr(owner, attr)
+        if owner is None or not hasattr(owner, attr) or (attr == "rotary_emb" and owner.rotary_emb is None)
     ]
     if missing or not hasattr(model, "config"):
         raise TypeError(
@@ -234,8 +286,8 @@ def check_layout(model: nn.Module) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
             f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
-            "model's modules, and some families (Gemma 2, Cohere, Granite, ...) also scale or cap embeddings "
-            f"or logits in their forward, which would silently train another function. Supported model types: "
+            "model's modules, and some families' forwards do more (a norm on the embeddings, other masks or "
+            f"inputs for some layers), which would silently train another function. Supported model types: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
     switched_on = {name: getattr(model.config, name) for name in _FORWARD_SWITCHES.get(model_type, ())
