@@ -578,6 +578,30 @@ def test_train_from_hf_model(corpus, tmp_path):
     assert not torch.equal(exported.model.layers[0].self_attn.q_proj.bias, original.model.layers[0].self_attn.q_proj.bias)
 
 
+def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_loss(corpus, tmp_path):
+    """Granite multiplies its embeddings and divides its logits in its forward, outside the modules a
+    stage runs: a run from its files on 2 ranks starts from the loss of that forward."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.GraniteConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=64, embedding_multiplier=3.0, logits_scaling=2.5,
+                                        bos_token_id=1, eos_token_id=tok.eos_id, pad_token_id=0)
+    torch.manual_seed(0)
+    original = transformers.GraniteForCausalLM(config).eval()
+    hf_dir = save_hf_model(original, tok, tmp_path / "granite")
+    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
+    cfg.data.tokenizer = ""
+    first_loss = run_distributed(_first_loss, 2, cfg)[0]
+    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
+                        eval_fraction=cfg.data.eval_fraction)
+    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    with torch.no_grad():
+        logits = original(inputs).logits
+        want = F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
+        unscaled = F.cross_entropy((logits * config.logits_scaling).flatten(0, 1), labels.flatten()).item()
+    assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unscaled) > 1e-3
+
+
 @pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                     reason="Gemma trains on transformers 5, whose embedding module scales")
 def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):
