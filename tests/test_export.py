@@ -503,12 +503,13 @@ def test_an_interrupted_export_leaves_a_whole_one_in_place(tmp_path, monkeypatch
 
 
 def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus, tmp_path):
-    """Phi-MoE's forward computes what a stage running its modules would not: the run stops at once."""
-    config = transformers.PhimoeConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
-    transformers.PhimoeForCausalLM(config).save_pretrained(tmp_path / "phimoe")
-    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "phimoe")
-    with pytest.raises(ConfigError, match=r"hf_model: PhimoeForCausalLM \(model_type 'phimoe'\) is not supported"):
+    """Doge's layers add their own to a mask its forward always builds in full, where a stage would let sdpa
+    skip it: the run stops at once."""
+    config = transformers.DogeConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)
+    transformers.DogeForCausalLM(config).save_pretrained(tmp_path / "doge")
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "doge")
+    with pytest.raises(ConfigError, match=r"hf_model: DogeForCausalLM \(model_type 'doge'\) is not supported"):
         Trainer(cfg)
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 

@@ -228,7 +228,7 @@ SUPPORTED_MODEL_TYPES = {
                      "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
                      "internlm3", "iquestcoder", "jais2", "jetmoe", "minicpm3", "minimax_m2", "minimax_m3_vl_text",
                      "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open", "youtu"), "causal"),
-    **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3"), "window"),
+    **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3", "phimoe"), "window"),
     **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "afmoe", "cohere2", "cohere2_moe", "cwm", "exaone4", "exaone_moe",
                      "flint", "gemma2", "gemma3_text", "gpt_oss", "kolibri1", "laguna", "mellum", "mimo_v2_flash",
                      "ministral", "olmo3", "smollm3", "vaultgemma"), "layer_types"),
@@ -280,7 +280,7 @@ def check_layout(model: nn.Module) -> None:
         )
     _check_vocab_rows(model)
     if not is_hf_config(model.config):
-        _check_layer_arguments(model)
+        _check_call_arguments(model)
         return
     model_type = str(getattr(model.config, "model_type", ""))
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -299,7 +299,7 @@ def check_layout(model: nn.Module) -> None:
             f"ahead), which would silently train another function; set "
             f"{' and '.join(f'config.{k} = None' for k in switched_on)}"
         )
-    _check_layer_arguments(model)
+    _check_call_arguments(model)
     layer_types = getattr(model.config, "layer_types", None) or ()
     if model_type == "qwen2_moe" and _transformers_version() < (5, 0) and (
             getattr(model.config, "sliding_window", None) is not None or "sliding_attention" in layer_types):
@@ -331,22 +331,32 @@ def check_layout(model: nn.Module) -> None:
 _LAYER_ARGUMENTS = frozenset({"attention_mask", "position_ids", "position_embeddings"})  # what a stage passes
 
 
-def _check_layer_arguments(model: nn.Module) -> None:
-    """Raise if a decoder layer requires an argument a stage does not pass: its model's forward makes
-    something for it the stage does not know how to (Gemma 3 before transformers 5 takes global and
-    local rotary tables as two arguments of their own)."""
+def _check_call_arguments(model: nn.Module) -> None:
+    """Raise if the rotary embedding or a decoder layer takes other arguments than a stage passes: its
+    model's forward makes something for it the stage does not know how to (before transformers 5, Gemma 3's
+    layers take global and local rotary tables as two arguments of their own, and Phi-MoE's rotary
+    embedding a sequence length)."""
+    hint = "; a newer transformers may lay the family out as a stage runs it" if is_hf_config(model.config) else ""
+    rotary = list(inspect.signature(type(model.model.rotary_emb).forward).parameters.values())[2:]  # after self, x
+    if not rotary or rotary[0].name != "position_ids" or _required(rotary[1:], {"layer_type"}):
+        raise TypeError(
+            f"{type(model).__name__}'s rotary embedding ({type(model.model.rotary_emb).__name__}) takes "
+            f"{', '.join(p.name for p in rotary) or 'no positions'}, where a pipeline stage passes position_ids "
+            f"(and the layer kind, to one that takes layer_type){hint}")
     layers = model.model.layers
     for layer_type in {type(layer) for layer in (layers.values() if isinstance(layers, nn.ModuleDict) else layers)}:
-        params = list(inspect.signature(layer_type.forward).parameters.values())[2:]  # after self, hidden states
-        required = [p.name for p in params if p.default is p.empty and p.name not in _LAYER_ARGUMENTS
-                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        required = _required(list(inspect.signature(layer_type.forward).parameters.values())[2:], _LAYER_ARGUMENTS)
         if required:
-            hint = "; a newer transformers may lay the family out as a stage runs it (Gemma 3 from 5.0 on)" \
-                if is_hf_config(model.config) else ""
             raise TypeError(
                 f"{type(model).__name__}'s decoder layers ({layer_type.__name__}) require {', '.join(required)}, "
                 f"which its own forward makes and a pipeline stage does not: a stage passes each layer "
                 f"{', '.join(sorted(_LAYER_ARGUMENTS))} only{hint}")
+
+
+def _required(params: list[inspect.Parameter], given) -> list[str]:
+    """The names of `params` a call must give that are not among `given`."""
+    return [p.name for p in params if p.default is p.empty and p.name not in given
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _scales_embeddings_outside(model: nn.Module) -> bool:
