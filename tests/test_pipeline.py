@@ -446,7 +446,7 @@ _FAMILY_CONFIG = {
     **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "hyperclovax"), _MULTIPLIERS),
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"), dict(final_logit_softcapping=0.5)),
     "afmoe": dict(mup_enabled=True),
-    "phimoe": dict(router_jitter_noise=0.0),  # random in training, as dropout (zeroed for every family below)
+    "phimoe": dict(router_jitter_noise=0.0),  # random in training, like the dropouts `_family` zeroes
     "minicpm3": dict(_LATENT_ATTENTION, dim_model_base=8),  # logits_scaling = hidden_size / dim_model_base
 }
 
@@ -618,8 +618,9 @@ def test_a_layer_kind_without_a_mask_of_ours_is_refused():
     ("nanochat", {}, TypeError, r"model_type 'nanochat'\) is not supported: .*a norm on the embeddings"),
     # eager: under sdpa a stage's full-attention mask is None and the layer's own is_causal=False, which agree
     ("gemma3_text", {"use_bidirectional_attention": True, "attn_implementation": "eager"}, TypeError,
-     r"Gemma3ForCausalLM with config.use_bidirectional_attention = True: its forward then does more .* set "
-     r"config.use_bidirectional_attention = None"),
+     r"Gemma3ForCausalLM with config.use_bidirectional_attention = True: its forward then lets tokens attend "
+     r"ahead, beyond the modules a pipeline stage runs, .* set "
+     r"config.use_bidirectional_attention = False"),
     ("mixtral", {"output_router_logits": True}, ValueError, r"output_router_logits=True: .*router's auxiliary loss"),
 ])
 def test_families_whose_forward_does_more_are_refused(model_type, extra, error, message):

@@ -249,7 +249,7 @@ _FORWARD_SCALES = {
 }
 # Config switches a family's forward reads beyond its modules: a stage trains the family only while they are
 # off (None or False), as in the released checkpoints.
-_FORWARD_SWITCHES = {"gemma3_text": ("use_bidirectional_attention",)}
+_FORWARD_SWITCHES = {"gemma3_text": {"use_bidirectional_attention": "lets tokens attend ahead"}}
 _MASKED_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -290,15 +290,14 @@ def check_layout(model: nn.Module) -> None:
             f"inputs for some layers), which would silently train another function. Supported model types: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    switched_on = {name: getattr(model.config, name) for name in _FORWARD_SWITCHES.get(model_type, ())
-                   if getattr(model.config, name, None) not in (None, False)}
-    if switched_on:
-        raise TypeError(
-            f"{type(model).__name__} with {', '.join(f'config.{k} = {v!r}' for k, v in switched_on.items())}: its "
-            "forward then does more than the modules a pipeline stage runs (caps the logits, or lets tokens attend "
-            f"ahead), which would silently train another function; set "
-            f"{' and '.join(f'config.{k} = None' for k in switched_on)}"
-        )
+    for name, what in _FORWARD_SWITCHES.get(model_type, {}).items():
+        value = getattr(model.config, name, None)
+        if value not in (None, False):
+            raise TypeError(
+                f"{type(model).__name__} with config.{name} = {value!r}: its forward then {what}, beyond the modules "
+                f"a pipeline stage runs, which would silently train another function; set config.{name} = "
+                f"{False if isinstance(value, bool) else None}"
+            )
     _check_call_arguments(model)
     layer_types = getattr(model.config, "layer_types", None) or ()
     if model_type == "qwen2_moe" and _transformers_version() < (5, 0) and (
