@@ -18,7 +18,13 @@ from .schedules import build_schedule
 def num_layers(cfg: Config) -> int:
     """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
     if cfg.hf_model:
-        return int(_hf_config(cfg)["num_hidden_layers"])
+        layers = _hf_config(cfg).get("num_hidden_layers")
+        if type(layers) is not int or layers < 1:
+            raise ConfigError(
+                f"hf_model {cfg.hf_model}: its config.json gives num_hidden_layers {layers!r}, where a decoder-only "
+                "model laid out as the pipeline splits it (model.layers, as Llama's) gives its number of layers; "
+                "give a model of a supported family")
+        return layers
     return llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).num_hidden_layers
 
 
@@ -26,7 +32,15 @@ def _hf_config(cfg: Config) -> dict:
     config_file = Path(cfg.hf_model) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"hf_model {cfg.hf_model}: its config.json is not JSON ({error}); give a Hugging Face "
+                          "model directory as save_pretrained writes it") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"hf_model {cfg.hf_model}: its config.json holds a {type(config).__name__}, not the "
+                          "settings of a model; give a Hugging Face model directory as save_pretrained writes it")
+    return config
 
 
 def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:

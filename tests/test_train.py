@@ -138,6 +138,16 @@ def test_config_errors(tmp_path, corpus):
     transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=64).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"data.seq_len 128 exceeds the max_position_embeddings 64 of hf_model"):
         validate(from_hf, 2)
+    # A config.json that says no number of layers, or is no JSON object, is named (they raised KeyError and
+    # JSONDecodeError): GPT-2's counts its layers as n_layer.
+    config_json = tmp_path / "hf" / "config.json"
+    for text, message in ((transformers.GPT2Config(n_layer=2).to_json_string(), r"its config.json gives "
+                           r"num_hidden_layers None, where a decoder-only model laid out as the pipeline splits it"),
+                          ("{oops", r"its config.json is not JSON \(Expecting property name"),
+                          ("[1, 2]", r"its config.json holds a list, not the settings of a model")):
+        config_json.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            validate(from_hf, 2)
 
 
 def test_config_file_overrides_and_round_trip(tmp_path):
