@@ -49,7 +49,8 @@ class DecoderParts:
     """A stage's view of a model laid out as `model.{embed_tokens, layers, norm, rotary_emb}` + `lm_head`.
 
     Calls the model's own modules, so forward/backward hooks on them fire exactly as in an
-    unpipelined run, and registers none of its own. `embed_tokens` is set on the first stage only,
+    unpipelined run, and registers none of its own, and does between them what the family's forward
+    does (`scales`, per-layer masks and rotary tables). `embed_tokens` is set on the first stage only,
     `norm` and `lm_head` on the last only.
     """
 
