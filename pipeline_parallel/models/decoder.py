@@ -24,7 +24,7 @@ class ForwardScales:
     @classmethod
     def of(cls, model: nn.Module) -> ForwardScales:
         """The scales the family's forward applies, read where it reads them (`_FORWARD_SCALES`)."""
-        model_type = str(getattr(model.config, "model_type", "")) if is_hf_config(model.config) else ""
+        model_type = _model_type(model.config)
         return _FORWARD_SCALES[model_type](model) if model_type in _FORWARD_SCALES else cls()
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -283,7 +283,7 @@ def check_layout(model: nn.Module) -> None:
     if not is_hf_config(model.config):
         _check_call_arguments(model)
         return
-    model_type = str(getattr(model.config, "model_type", ""))
+    model_type = _model_type(model.config)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
             f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
@@ -361,7 +361,7 @@ def _required(params: list[inspect.Parameter], given) -> list[str]:
 
 def _scales_embeddings_outside(model: nn.Module) -> bool:
     """Gemma-family models before transformers 5 multiply embeddings by sqrt(hidden) in forward."""
-    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    model_type = _model_type(model.config)
     return model_type.startswith(("gemma", "recurrent_gemma")) and type(model.model.embed_tokens) is nn.Embedding
 
 
@@ -369,7 +369,7 @@ def attention_kind(config, layer_idx: int) -> str:
     """"full_attention" or "sliding_attention" for a decoder layer, decided as the model's own forward
     does (see SUPPORTED_MODEL_TYPES): a stray `sliding_window` or `layer_types` in a config whose forward
     never reads it changes nothing there, so it must change nothing here. Our own Llama's are all full."""
-    rule = SUPPORTED_MODEL_TYPES.get(str(getattr(config, "model_type", ""))) if is_hf_config(config) else "causal"
+    rule = SUPPORTED_MODEL_TYPES.get(_model_type(config)) if is_hf_config(config) else "causal"
     layer_types = getattr(config, "layer_types", None) if rule == "layer_types" else None
     if layer_types:
         return layer_types[layer_idx]
@@ -422,6 +422,11 @@ def is_hf_config(config) -> bool:
     except ImportError:
         return False
     return isinstance(config, PretrainedConfig)
+
+
+def _model_type(config) -> str:
+    """A Hugging Face config's model type ("" for our own Llama's), which decides what its family's forward does."""
+    return str(getattr(config, "model_type", "")) if is_hf_config(config) else ""
 
 
 @functools.cache
