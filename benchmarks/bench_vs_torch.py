@@ -79,7 +79,7 @@ class _TorchStage(nn.Module):
     def loss_fn(self, output, labels):
         """The loss torch's schedule calls on the last stage (the same mean as ours: no token is ignored)."""
         if self.our_compute:
-            return _OurHeadLoss.apply(output, labels, self.parts.lm_head)
+            return _OurHeadLoss.apply(output, labels, self.parts.lm_head, self.parts.scales)
         return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
 
 
@@ -87,8 +87,8 @@ class _OurHeadLoss(torch.autograd.Function):
     """Our last stage's head and loss (`HeadLoss`) as one autograd node, for torch's schedules."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, head):
-        ctx.head_loss = HeadLoss(hidden, head, labels, 1 / labels.numel())
+    def forward(ctx, hidden, labels, head, scales):
+        ctx.head_loss = HeadLoss(hidden, head, labels, 1 / labels.numel(), scales)
         return ctx.head_loss.loss
 
     @staticmethod
@@ -96,7 +96,7 @@ class _OurHeadLoss(torch.autograd.Function):
         if grad_loss.item() != 1.0:  # torch's schedule runs backward from the loss itself
             raise NotImplementedError("only a backward from the loss itself")
         ctx.head_loss.add_weight_grad()
-        return ctx.head_loss.input_grad(), None, None
+        return ctx.head_loss.input_grad(), None, None, None
 
 
 def worker(rank: int, world: int, port: int, args, results) -> None:

@@ -24,8 +24,8 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class HeadLoss:
-    """`loss_sum(head(hidden), labels) * scale`, whose backward through the head runs outside autograd;
-    with `scales`, of the logits as the family's forward scales them.
+    """`loss_sum(scales.scale_logits(head(hidden)), labels) * scale`, whose backward through the head runs
+    outside autograd.
 
     The gradient of the logits is known once the loss is, so the forward keeps it instead of a
     graph. The backward is then two matmuls: `input_grad` gives the gradient of `hidden`, and
@@ -37,15 +37,14 @@ class HeadLoss:
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
-                 scales: ForwardScales | None = None):
+                 scales: ForwardScales):
         self.weight, self.shape, self.dtype = head.weight, hidden.shape, hidden.dtype
         with torch.no_grad():
             tokens = hidden.detach().flatten(0, -2)
             logits = F.linear(tokens, self.weight)  # in autocast's dtype under autocast, as head(hidden)
-            scaled = logits if scales is None else scales.scale_logits(logits)  # what the family's forward returns
+            scaled = scales.scale_logits(logits)  # what the family's forward returns (`logits` for most)
             self.loss, grad = _loss_and_logits_grad(scaled, labels.flatten(), scale)
-            if scales is not None:
-                grad = scales.head_grad_(grad, scaled)
+            grad = scales.head_grad_(grad, scaled)
             # The backward's operands in the dtype the forward's matmul took them.
             self.grad, self.tokens = grad.to(logits.dtype), tokens.to(logits.dtype)
 
