@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import ctypes
 import inspect
 import os
 import queue
 import random
 import resource
+import signal
 import socket
 import statistics
 import sys
@@ -99,7 +101,8 @@ class _OurHeadLoss(torch.autograd.Function):
         return ctx.head_loss.input_grad(), None, None, None
 
 
-def worker(rank: int, world: int, port: int, args, results) -> None:
+def worker(rank: int, world: int, port: int, args, results, parent: int) -> None:
+    _end_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -185,6 +188,17 @@ def worker(rank: int, world: int, port: int, args, results) -> None:
         faults_per_rank = {name: [round(per_rank[name]) for _, _, per_rank in gathered] for name in engines}
         results.put((times, counts, measured, programs, faults_per_rank))
     dist.destroy_process_group()
+
+
+def _end_with_parent(parent: int) -> None:
+    """End this rank when the benchmark's process ends, even when killed where it cannot end its
+    ranks (SIGKILL): a rank left running would load the machine for every later run. Linux only."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    if os.getppid() != parent:  # the parent ended before the signal was set
+        os._exit(1)
 
 
 def floor(program: list, world: int, measured: dict) -> float:
@@ -279,7 +293,7 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, results, os.getpid())) for r in range(args.ranks)]
     for p in procs:
         p.start()
     while True:  # a rank that fails prints its traceback and ends; then end the others rather than wait forever
