@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .models.decoder import ForwardScales
 
 IGNORE_INDEX = -100
+_CHUNK_BYTES = 256 * 2**20  # HeadLoss takes as many tokens at once as make this much float32 softmax
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -34,19 +35,35 @@ class HeadLoss:
     so that a schedule can make the weight gradient later, like any other (`I` and `W`). Under
     autocast the matmuls take the dtype the head's own call would. Only for a head whose call and
     gradient no one watches (`stage.head_loss_applies`).
+
+    The forward takes the tokens a chunk at a time (`_CHUNK_BYTES`), so that of the tokens x vocab
+    tensors only the kept gradient exists whole: the logits and their float32 softmax, twice and
+    thrice its size where all tokens are taken at once, exist for a chunk only.
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
                  scales: ForwardScales):
         self.weight, self.shape, self.dtype = head.weight, hidden.shape, hidden.dtype
         with torch.no_grad():
-            tokens = hidden.detach().flatten(0, -2)
-            logits = F.linear(tokens, self.weight)  # in autocast's dtype under autocast, as head(hidden)
-            scaled = scales.scale_logits(logits)  # what the family's forward returns (`logits` for most)
-            self.loss, grad = _loss_and_logits_grad(scaled, labels.flatten(), scale)
-            grad = scales.head_grad_(grad, scaled)
-            # The backward's operands in the dtype the forward's matmul took them.
-            self.grad, self.tokens = grad.to(logits.dtype), tokens.to(logits.dtype)
+            tokens, labels = hidden.detach().flatten(0, -2), labels.flatten()
+            rows = max(1, _CHUNK_BYTES // (4 * self.weight.shape[0]))
+            starts = range(0, max(len(tokens), 1), rows)
+            self.loss, self.grad = 0.0, None
+            for start in starts:
+                chunk = slice(start, start + rows)
+                logits = F.linear(tokens[chunk], self.weight)  # in autocast's dtype under autocast, as head(hidden)
+                scaled = scales.scale_logits(logits)  # what the family's forward returns (`logits` for most)
+                loss, grad = _loss_and_logits_grad(scaled, labels[chunk], scale)
+                grad = scales.head_grad_(grad, scaled)
+                self.loss = self.loss + loss
+                # The backward's operands in the dtype the forward's matmul took them.
+                if len(starts) == 1:
+                    self.grad = grad.to(logits.dtype)
+                else:
+                    if self.grad is None:
+                        self.grad = logits.new_empty(len(tokens), logits.shape[-1])
+                    self.grad[chunk] = grad
+            self.tokens = tokens.to(logits.dtype)
 
     def input_grad(self) -> torch.Tensor:
         """The gradient of `hidden`."""

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline_parallel import loss as loss_module
 from pipeline_parallel.loss import IGNORE_INDEX, HeadLoss, loss_sum
 from pipeline_parallel.models.decoder import ForwardScales
 from pipeline_parallel.stage import head_loss_applies
@@ -102,11 +103,16 @@ def _head_by_autograd(hidden, head, labels, scale, scales):
 @pytest.mark.parametrize("grad_before", [False, True], ids=["no-grad-yet", "accumulating"])
 @pytest.mark.parametrize("scales", [ForwardScales(), ForwardScales(logits=0.3), ForwardScales(softcap=0.5),
                                     ForwardScales(logits=2.5, softcap=0.5)], ids=["plain", "scaled", "capped", "both"])
-def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol, grad_before, scales):
+@pytest.mark.parametrize("chunk_rows", [None, 4], ids=["all-tokens-at-once", "4-token-chunks"])
+def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol, grad_before, scales, chunk_rows,
+                                                           monkeypatch):
     """Loss, the hidden states' gradient and the head's accumulated weight gradient, with ignored
     rows; under autocast the matmuls take its dtype and the gradients come back in the tensors' own.
     Also of logits scaled and capped as some families' forwards do (a cap near the logits' size), whose
-    chain rule HeadLoss takes in float32 where autograd takes it in autocast's dtype: they agree to its rounding."""
+    chain rule HeadLoss takes in float32 where autograd takes it in autocast's dtype: they agree to its rounding.
+    Also with the 21 tokens taken in chunks of 4 (the last of 1)."""
+    if chunk_rows:
+        monkeypatch.setattr(loss_module, "_CHUNK_BYTES", chunk_rows * 4 * VOCAB)
     if autocast and scales != ForwardScales():
         tol = 1e-2  # as bfloat16's own
     torch.manual_seed(0)
@@ -130,6 +136,34 @@ def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol,
     torch.testing.assert_close(got.loss, want_loss, atol=tol, rtol=tol)
     torch.testing.assert_close(hidden_grad, want_hidden_grad, atol=tol, rtol=tol)
     torch.testing.assert_close(head.weight.grad, want_weight_grad, atol=tol, rtol=tol)
+
+
+def test_head_loss_makes_the_logits_a_chunk_at_a_time(monkeypatch):
+    """Of the tokens x vocab tensors only the kept gradient is made whole: no other tensor the forward
+    makes holds more than a chunk's rows, so its peak memory is not several times the logits'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Made(TorchDispatchMode):
+        rows: list[int] = []  # of each tensor made with a row per token and a column per vocabulary entry
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given \
+                        and t.shape[-1:] == (VOCAB,):  # made, not a view of what it was given
+                    self.rows.append(t.numel() // VOCAB)
+            return out
+
+    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 4 * 4 * VOCAB)  # 4 tokens at a time
+    head = nn.Linear(16, VOCAB, bias=False)
+    hidden = torch.randn(3, 7, 16)
+    _, labels = _logits_and_labels(torch.float32)
+    with Made() as made:
+        got = HeadLoss(hidden, head, labels, 0.25, ForwardScales(logits=2.5, softcap=0.5))
+    assert got.grad.shape == (21, VOCAB)
+    assert sorted(made.rows)[-2:] == [4, 21]  # a chunk's; the kept gradient
 
 
 def _watched_heads():
