@@ -213,6 +213,11 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return max(complete, key=_save_order) if complete else None
 
 
+def saved_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint directories a run in `run_dir` has published (whole or not), oldest step first."""
+    return _step_dirs(Path(run_dir) / CHECKPOINTS)
+
+
 def is_checkpoint(path: str | os.PathLike) -> bool:
     """Whether `path` is a complete checkpoint directory (not a run directory, not a half-written save)."""
     return _is_complete(Path(path))

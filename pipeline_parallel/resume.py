@@ -7,7 +7,7 @@ import contextlib
 import shlex
 from pathlib import Path
 
-from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra
+from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra, saved_checkpoints
 from .config import Config, ConfigError, as_config_error
 from .data import Data
 from .export import export_command
@@ -40,16 +40,25 @@ def as_resume_error():
 def checkpoint_to_resume(cfg: Config) -> Path | None:
     """The checkpoint `resume` asks for (None: start from step 0); RunComplete if it has no step left."""
     run_dir = Path(cfg.run_dir)
-    with as_resume_error():  # a damaged newest checkpoint is named, not skipped
-        latest = latest_checkpoint(run_dir)
-    if cfg.resume == "latest" and latest is None:
-        raise ConfigError(f"resume = latest, but {run_dir / 'checkpoints'} holds no checkpoint")
-    if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
-        raise ConfigError(
-            f"resume = never, but {run_dir} already holds a run (checkpoint {latest.name}); starting "
-            f"over there would replace its checkpoints and metrics: give a new run_dir, or delete "
-            f"{run_dir / 'checkpoints'} first")
-    path = latest if cfg.resume in ("auto", "latest") else None if cfg.resume == "never" else Path(cfg.resume)
+    if cfg.resume in ("auto", "latest", "never"):
+        with as_resume_error():  # a damaged newest checkpoint is named, not skipped
+            latest = latest_checkpoint(run_dir)
+        if cfg.resume == "latest" and latest is None:
+            raise ConfigError(f"resume = latest, but {run_dir / 'checkpoints'} holds no checkpoint")
+        if cfg.resume == "never" and latest is not None:  # its later saves would mix with and rotate out ours
+            raise ConfigError(
+                f"resume = never, but {run_dir} already holds a run (checkpoint {latest.name}); starting "
+                f"over there would replace its checkpoints and metrics: give a new run_dir, or delete "
+                f"{run_dir / 'checkpoints'} first")
+        path = None if cfg.resume == "never" else latest
+    else:  # a checkpoint named, which the newest being damaged must not keep from resuming
+        path = Path(cfg.resume)
+        own = saved_checkpoints(run_dir)
+        if own and path.resolve().parent != (run_dir / "checkpoints").resolve():
+            raise ConfigError(
+                f"resume = {path} is a checkpoint of another run directory, but {run_dir} holds a run of its own "
+                f"(checkpoint {own[-1].name}), whose checkpoints and metrics its saves would replace: give a new "
+                f"run_dir to go on from {path} there, or resume from one of {run_dir / 'checkpoints'}")
     if path is not None:
         with as_resume_error():
             step = read_extra(path)["step"]

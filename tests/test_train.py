@@ -559,6 +559,22 @@ def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(cor
     with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); resume "
                                           r"from an earlier one with --resume .*step_000001$"):
         Trainer(with_overrides(cfg, **{"train.max_steps": 3}))
+    earlier = tmp_path / "checkpoints" / "step_000001"  # the advice, followed: once refused for the damaged newest one
+    assert Trainer(with_overrides(cfg, resume=str(earlier), **{"train.max_steps": 3})).step == 1
+
+
+def test_a_checkpoint_of_another_run_does_not_resume_into_a_run_directory_holding_a_run(runs, corpus, tmp_path):
+    """It did, and its saves replaced that run's checkpoints and its metrics took over that run's."""
+    other = shutil.copytree(runs[1], tmp_path / "other")  # checkpoints at steps 3 and 6
+    files = lambda: {path: path.read_bytes() for path in other.rglob("*") if path.is_file() and path.name != ".lock"}
+    before = files()
+    foreign = runs[0] / "checkpoints" / "step_000006"
+    with pytest.raises(ConfigError, match=f"resume = {foreign} is a checkpoint of another run directory, but {other} "
+                                          r"holds a run of its own \(checkpoint step_000006\), .*give a new run_dir"):
+        Trainer(make_cfg(other, corpus, resume=str(foreign), **_MORE_STEPS))
+    assert files() == before
+    own = other / "checkpoints" / "step_000003"  # one of its own: going back is the user's to choose
+    assert Trainer(make_cfg(other, corpus, resume=str(own), **_MORE_STEPS)).step == 3
 
 
 def _resumed_step(rank, world_size, cfg):
