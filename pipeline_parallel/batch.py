@@ -40,6 +40,9 @@ def _token_tensor_error(tensor, name: str, vocab_size: int, allow_ignore: bool) 
         return f"{name} must be a torch.Tensor of token IDs shaped [batch, seq_len], got {type(tensor).__name__}"
     if tensor.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         return f"{name} must hold integer token IDs (torch.long), got dtype {tensor.dtype}"
+    if allow_ignore and not tensor.dtype.is_signed:  # -100 would wrap around to a token ID (156 in uint8)
+        return (f"{name} must hold signed integers, as {IGNORE_INDEX} marks a token to ignore, got dtype "
+                f"{tensor.dtype}; pass {name}.long()")
     if tensor.dim() != 2 or tensor.numel() == 0:
         return f"{name} must be shaped [batch, seq_len] with both > 0, got shape {tuple(tensor.shape)}"
     if tensor.layout != torch.strided or tensor.is_meta:

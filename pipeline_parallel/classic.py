@@ -116,7 +116,7 @@ def _microbatches_error(inputs, targets) -> str | None:
         if x.shape != inputs[0].shape:
             return (f"microbatch {i} is shaped {tuple(x.shape)} but microbatch 0 {tuple(inputs[0].shape)}; "
                     "all microbatches of a batch must have the same shape")
-        if y.numel() and bool((y == IGNORE_INDEX).all()):
+        if y.numel() and y.dtype.is_signed and bool((y == IGNORE_INDEX).all()):  # unsigned: refused as such
             return (f"microbatch {i}: every target is {IGNORE_INDEX} (ignored), so its mean loss is undefined (a "
                     "single process gets NaN); leave that microbatch out or give it a target to train on")
     return None

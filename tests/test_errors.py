@@ -313,6 +313,9 @@ PIPELINE_CASES = {
                         r"labels holds token IDs from -5 .*allows 0..63 or -100"),
     "labels-float": (lambda r, w, g: _step_with(g, y=Y.float()), ValueError,
                      r"labels must hold integer token IDs"),
+    "labels-uint8": (lambda r, w, g: _step_with(g, y=Y.to(torch.uint8)), ValueError,  # -100 wrapped to a target, 156
+                     r"labels must hold signed integers, as -100 marks a token to ignore, got dtype torch.uint8; "
+                     r"pass labels.long\(\)"),
     "labels-missing-on-last": (lambda r, w, g: _pipe(g).step(X, Y if r == 0 and w > 1 else None), ValueError,
                                r"the first pipeline rank must pass input_ids and the last must pass labels"),
     "all-labels-ignored": (lambda r, w, g: _step_with(g, y=torch.full_like(Y, -100)), ValueError,
@@ -417,6 +420,8 @@ CLASSIC_CASES = {
     "classic-lengths-differ-across-ranks": (lambda r, w, g: _classic(XS if r == 0 else list(X.chunk(4)),
                                                                      YS if r == 0 else list(Y.chunk(4))),
                                             ValueError, r"ranks disagree on 'num_microbatches'"),
+    "classic-targets-uint8": (lambda r, w, g: _classic(XS, [y.to(torch.uint8) for y in YS]), ValueError,
+                              r"labels must hold signed integers, as -100 marks a token to ignore"),
     "classic-microbatch-all-ignored": (lambda r, w, g: _classic(XS, [YS[0], torch.full_like(YS[1], -100)]),
                                        ValueError, r"microbatch 1: every target is -100 \(ignored\), so its mean "
                                        r"loss is undefined.*leave that microbatch out"),
