@@ -99,7 +99,7 @@ class _Mailbox:
 
     def hand_on(self, action: Action, result: torch.Tensor) -> None:
         """Keep a compute action's result for its SEND, or for the neighbouring stage on this rank."""
-        self.produced[result_of(action)] = result
+        self.produced[result_of(action)] = result.contiguous()  # as a layer may not make it; sends need it
 
     def post(self) -> None:
         """Start the queued sends and receives as one batch."""

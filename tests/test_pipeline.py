@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from _dist import run_distributed
-from _models import assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, stage_names
+from _models import (assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, reference_step,
+                     stage_names)
 
 import pipeline_parallel as pp
 from pipeline_parallel.models.decoder import SUPPORTED_MODEL_TYPES, DecoderParts, ForwardScales
@@ -574,6 +575,39 @@ def test_a_layer_reparametrised_after_construction_trains_as_it_runs():
         nn.utils.parametrizations.weight_norm(layer.mlp.up_proj)
     x, y = make_batch(4, 8, num_microbatches=2)
     assert pipe.step(x, y) == pytest.approx(full_loss(ref, x, y).item(), abs=1e-5)
+
+
+class _LaidOutBatchSecond(torch.autograd.Function):
+    """The identity, whose output and gradient are laid out batch-second, so not contiguous: what a layer
+    or an adapter may hand on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def _non_contiguous_worker(rank, world_size):
+    model = build("llama", 4)
+    for layer in model.model.layers:  # each layer's output, and its input's gradient, not contiguous
+        layer.register_forward_pre_hook(lambda m, args: (_LaidOutBatchSecond.apply(args[0]), *args[1:]))
+        layer.register_forward_hook(lambda m, args, out: _LaidOutBatchSecond.apply(out))
+    x, y = make_batch(4, 8, num_microbatches=2)
+    want_loss, want, _ = reference_step(model, x, y)
+    for schedule in ("1f1b", "gpipe"):
+        pipe = pp.Pipeline(copy.deepcopy(model), schedule=schedule, num_microbatches=2, device="cpu")
+        assert pipe.step(x, y) == pytest.approx(want_loss, abs=1e-5)
+        got = grads(pipe.model)
+        assert_grads_close(got, want, got, what=f"rank {rank} {schedule}")
+
+
+def test_stages_hand_on_what_is_not_contiguous():
+    """A stage's output or its input's gradient that is not contiguous, which gloo and nccl cannot send:
+    rank 0 raised alone, outside the step's error handling, and left rank 1 waiting until the timeout."""
+    run_distributed(_non_contiguous_worker, 2)
 
 
 def test_gemma_built_on_meta_gets_its_embedding_scale():
