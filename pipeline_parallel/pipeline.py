@@ -270,8 +270,11 @@ class Pipeline:
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # also where the arguments are wrong
         if grads and error is None:
-            norms = [torch.linalg.vector_norm(g, norm_type).double() for g in grads]
-            local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            try:  # a failure here is every rank's error below, not this rank's alone while the others wait
+                norms = [torch.linalg.vector_norm(_values(g), norm_type).double() for g in grads]
+                local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            except Exception as e:
+                error = e
         # One collective: the ranks' norms (as int64 bits) travel with their agreement on the arguments.
         by_rank = agree_on_settings(self.comm, fingerprint(**given), call="clip_grad_norm_()", local_error=error,
                                     facts=[_bits(local)], details={name: {name: v} for name, v in given.items()})
@@ -284,6 +287,12 @@ class Pipeline:
         """Parameters counted once across the pipeline (the last rank's tied LM head is not)."""
         skip = self._tied_weight if self.is_last else None
         return [p for p in self.parameters() if p is not skip]
+
+
+def _values(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's entries as a dense tensor: a sparse one's (an `nn.Embedding(sparse=True)`'s), which
+    `vector_norm` does not take, are the values of its coalesced form, where repeated rows are summed."""
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 def _bits(value: torch.Tensor) -> int:

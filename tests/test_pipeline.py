@@ -342,8 +342,14 @@ def test_hf_model_built_on_meta_device():
         assert torch.isfinite(torch.tensor(got["loss"]))
 
 
-def _clip_worker(rank, world_size, scale):
-    pipe = pp.Pipeline(build("llama", 4).double(), num_microbatches=2, device="cpu")
+def _double_model(sparse: bool):
+    model = build("llama", 4).double()
+    model.model.embed_tokens.sparse = sparse
+    return model
+
+
+def _clip_worker(rank, world_size, scale, sparse):
+    pipe = pp.Pipeline(_double_model(sparse), num_microbatches=2, device="cpu")
     x, y = make_batch(4, 8, num_microbatches=2)
     pipe.step(x, y)
     for p in pipe.parameters():
@@ -355,21 +361,24 @@ def _clip_worker(rank, world_size, scale):
             return _call(*args, **kwargs)
         setattr(dist, name, counted)
     norm = pipe.clip_grad_norm_(1.0)
-    return norm, {n: p.grad for n, p in pipe.named_parameters()}, len(collectives)
+    return norm, {n: p.grad.to_dense() for n, p in pipe.named_parameters()}, len(collectives)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse-embedding"])
 @pytest.mark.parametrize("scale", [1.0, 1e19])
-def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale):
+def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale, sparse):
     """A float64 model's norm is a float64 one, and a norm whose square exceeds float32's range is not inf
-    (clipping by an inf norm would have zeroed every gradient); one collective makes it."""
-    ref = build("llama", 4).double()
+    (clipping by an inf norm would have zeroed every gradient); one collective makes it. Also with an
+    embedding made sparse, whose sparse gradient (repeated rows not yet summed) `vector_norm` does not
+    take: the first rank raised alone, and the other waited for it until the timeout."""
+    ref = _double_model(sparse)
     x, y = make_batch(4, 8, num_microbatches=2)
     logits = ref(x).logits  # float64 throughout (full_loss takes the loss in float32, as Hugging Face does)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100).backward()
     for p in ref.parameters():
-        p.grad.mul_(scale)
+        p.grad = p.grad.to_dense() * scale  # torch's clip_grad_norm_ takes no sparse gradient either
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-    for norm, got, collectives in run_distributed(_clip_worker, 2, scale, timeout=TIMEOUT):
+    for norm, got, collectives in run_distributed(_clip_worker, 2, scale, sparse, timeout=TIMEOUT):
         assert collectives == 1, "the ranks' norms travel with their agreement on the arguments"
         assert norm.dtype == torch.float64 and norm.item() == pytest.approx(want.item(), rel=1e-12)
         for name, grad in got.items():
