@@ -74,8 +74,9 @@ class HeadLoss:
         """Add the head weight's gradient into its `.grad` (made if missing)."""
         with torch.no_grad():
             grad = self.weight.grad
-            if grad is None:
-                self.weight.grad = (self.grad.t() @ self.tokens).to(self.weight.dtype)
+            if grad is None or grad.is_sparse:  # sparse: the part of a tied embedding made sparse, added first
+                product = (self.grad.t() @ self.tokens).to(self.weight.dtype)
+                self.weight.grad = product if grad is None else product.add_(grad)
             elif grad.dtype == self.grad.dtype:
                 grad.addmm_(self.grad.t(), self.tokens)
             else:  # autocast: the product is made in its dtype, as autograd would

@@ -242,6 +242,8 @@ def run_step(
         error = run_program(program, stages, comm, step, send_releases)
         if tied:
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
+            if this_step.is_sparse:  # an embedding made sparse: sent, and added to the head's, dense
+                this_step = this_step.to_dense()
             comm.exchange_add_(this_step, comm.pp_size - 1 if holds_first else 0)
             if frozen:
                 tied_weight.grad = accumulated

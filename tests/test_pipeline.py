@@ -51,6 +51,7 @@ class Case:
     frozen: tuple = ()  # names of parameters with requires_grad=False
     reentrant_checkpointing: bool = False  # HF gradient checkpointing with use_reentrant=True
     seq_len: int | None = None  # the sequence length the default split is balanced for (None: Pipeline's default)
+    sparse_embedding: bool = False  # nn.Embedding(sparse=True): its backward makes a sparse gradient
     extra: dict = field(default_factory=dict)
 
     def __repr__(self):
@@ -63,6 +64,7 @@ CASES = {
         Case("w1-1f1b-m3", m=3, batch=6),
         Case("w1-tied-gpipe-m2", schedule="gpipe", tie=True),
         Case("w1-own-meta-1f1b-m2", kind="own", meta=True, tie=True),
+        Case("w1-tied-sparse-embedding-1f1b-m2", tie=True, sparse_embedding=True),
     ],
     2: [
         Case("w2-gpipe-m2", schedule="gpipe", m=2),
@@ -88,6 +90,7 @@ CASES = {
         Case("w2-qwen2-tied-1f1b-m4-split-3", kind="qwen2", m=4, batch=8, tie=True, split=3),
         Case("w2-1f1b-m3-no-split", m=3, batch=6, split=0),
         Case("w2-tied-gpipe-m2-accumulate", schedule="gpipe", m=2, tie=True, accumulate=True),
+        Case("w2-tied-sparse-embedding-1f1b-m3", m=3, batch=6, tie=True, sparse_embedding=True),
         # One weight, named at each end (the last rank holds it as lm_head.weight): no gradient at either.
         Case("w2-frozen-tied-embedding-1f1b", m=2, tie=True, frozen=("model.embed_tokens.weight", "lm_head.weight")),
         Case("w2-frozen-first-stage-1f1b", m=2, layer_counts=(2, 2), frozen=(
@@ -125,6 +128,7 @@ def _build(case: Case, meta: bool):
     model = build(case.kind, case.layers, case.vocab, case.tie, seed=7, meta=meta, **case.extra)
     for name, param in model.named_parameters():
         param.requires_grad_(name not in case.frozen)
+    model.model.embed_tokens.sparse = case.sparse_embedding
     return model
 
 
