@@ -389,10 +389,15 @@ def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale, sparse):
             torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
-def _tied_apart_worker(rank, world_size):
+_DIFFERENT_ENDS = {"shifted": lambda w: w + 1, "rows-in-another-order": lambda w: w.flip(0),
+                   "entries-in-another-order": lambda w: w.flip(1)}
+
+
+def _tied_apart_worker(rank, world_size, differ):
     model, ref = build("llama", 4, tie=True), build("llama", 4, tie=True)
     with torch.no_grad():  # each rank initialised its own copy of the tied matrix: the ends differ
-        model.lm_head.weight.add_(rank)
+        if rank:
+            model.lm_head.weight.copy_(_DIFFERENT_ENDS[differ](model.lm_head.weight))
     x, y = make_batch(4, 8, num_microbatches=2)
     pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
     end = model.model.embed_tokens.weight if pipe.is_first else model.lm_head.weight
@@ -400,9 +405,11 @@ def _tied_apart_worker(rank, world_size):
     return same, pipe.step(x, y), full_loss(ref, x, y).item()
 
 
-def test_tied_ends_initialised_apart_take_the_first_stages_embedding():
-    """As tying does in one process, the LM head is the embedding: the first rank's copy."""
-    for same, loss, want in run_distributed(_tied_apart_worker, 2, timeout=TIMEOUT):
+@pytest.mark.parametrize("differ", list(_DIFFERENT_ENDS))
+def test_tied_ends_initialised_apart_take_the_first_stages_embedding(differ):
+    """As tying does in one process, the LM head is the embedding: the first rank's copy. Also where the
+    ends hold the same values in another order, which a plain sum of them took for equal ends."""
+    for same, loss, want in run_distributed(_tied_apart_worker, 2, differ, timeout=TIMEOUT):
         assert same and loss == pytest.approx(want, abs=1e-5)
 
 
