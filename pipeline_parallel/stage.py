@@ -42,17 +42,19 @@ class PipelineStage:
         if not self.is_first and training:
             x = x.detach().requires_grad_()
         # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
-        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens):
+        hooked: set = set()  # nodes of tensors given a gradient hook in this forward
+        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens), \
+                _gradient_hooks_recorded(hooked, training):
             if self.is_last and training and head_loss_applies(self.parts.lm_head):
                 hidden = self.parts.forward(x, head=False)
                 head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales)
-                self._saved[mb] = _Saved(x, hidden, head)
+                self._saved[mb] = _Saved(x, hidden, hooked, head)
                 return head.loss
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
         if training:
-            self._saved[mb] = _Saved(x, out)
+            self._saved[mb] = _Saved(x, out, hooked)
         return out.detach()
 
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -74,7 +76,7 @@ class PipelineStage:
         saved = self._saved.pop(mb)
         weight_pass = _WeightPass(self.parts.parameters())
         self._pending_weights[mb] = (weight_pass, saved.head)
-        return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output))
+        return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output), saved.hooked)
 
     def backward_weight(self, mb: int) -> None:
         """Accumulate the weight grads of microbatch `mb`, whose `backward_input` has run."""
@@ -106,6 +108,7 @@ class _Saved:
 
     x: torch.Tensor
     out: torch.Tensor
+    hooked: set  # autograd nodes of tensors given a gradient hook in the forward (`_gradient_hooks_recorded`)
     head: HeadLoss | None = None
 
     def grad_output(self, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -120,6 +123,38 @@ def inference_mode_error() -> str | None:
         return ("a training step cannot run inside torch.inference_mode(), where no backward can follow a forward; "
                 "call it outside (Pipeline.evaluate computes a loss without a graph)")
     return None
+
+
+@contextlib.contextmanager
+def _gradient_hooks_recorded(nodes: set, enabled: bool = True):
+    """Within: the autograd node of every tensor given a gradient hook (`register_hook`) or
+    `retain_grad()` is added to `nodes`, so that a split backward can tell where autograd would run
+    them twice (`_WeightPass`). Sees what the forward registers (a module's forward hook, a layer's
+    own code), by wrapping the two `torch.Tensor` methods until the end."""
+    if not enabled:
+        yield
+        return
+    names = ("register_hook", "retain_grad")
+    own = {name: torch.Tensor.__dict__.get(name) for name in names}  # retain_grad is TensorBase's
+    inherited = {name: getattr(torch.Tensor, name) for name in names}
+
+    def recording(name):
+        def method(tensor, *args, **kwargs):
+            if tensor.grad_fn is not None:
+                nodes.add(tensor.grad_fn)
+            return inherited[name](tensor, *args, **kwargs)
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, recording(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            if own[name] is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own[name])
 
 
 @contextlib.contextmanager
@@ -183,6 +218,9 @@ class _WeightPass:
     a parameter is used twice along one path (a weight shared by two layers of the stage): from
     its later use, autograd would run the activation gradients back to the earlier one again,
     and their hooks with them. Uses side by side, such as the experts of a fused MoE weight, split.
+    Nor is it split where a tensor's gradient hook (or `retain_grad`) sits on a node where a parameter
+    meets the activations (a hook on a norm's output): autograd runs it when the node runs, so it
+    would run again, on what it already changed, when the weight pass restarts autograd there.
     """
 
     def __init__(self, params: list[torch.nn.Parameter]):
@@ -190,9 +228,13 @@ class _WeightPass:
         self.kept: dict = {}  # node using a parameter -> gradients arriving at it (filled by input_grad)
         self.groups: list[tuple[set, list]] = []  # nodes, and the gradient edges of the parameters they reach
 
-    def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None) -> torch.Tensor:
-        """The gradient of `x`, keeping what `run` needs to make the parameters' gradients later."""
+    def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None,
+                   hooked: set = frozenset()) -> torch.Tensor:
+        """The gradient of `x`, keeping what `run` needs to make the parameters' gradients later;
+        `hooked` holds nodes with gradient hooks of their tensors (see `_gradient_hooks_recorded`)."""
         self.groups = _weight_groups(out, x, self.params)
+        if any(nodes & hooked for nodes, _ in self.groups):
+            self.groups = []
         if not self.groups:
             torch.autograd.backward(out, grad_output)
             return x.grad

@@ -156,6 +156,44 @@ def test_split_backward_with_a_weight_used_side_by_side_splits():
     assert split[3] == whole[3]
 
 
+@pytest.mark.parametrize("watch", ["hook", "retain_grad"])
+def test_split_backward_with_a_gradient_hook_where_a_weight_meets_the_activations_runs_whole(watch):
+    """A gradient hook (or retain_grad) on a norm's output, whose autograd node is where the norm's weight
+    meets the activations: the weight pass restarted autograd there and ran the hook again, on what it had
+    changed, so the weight's gradient took its change twice (and the retained .grad doubled)."""
+    full_model = build("llama", num_layers=3, seed=3)
+    hidden, grad_out = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    results = []
+    for split in (False, True):
+        model, stage = _stage(full_model, range(1, 2), 1, 3)
+        seen = []
+
+        def watch_output(module, args, out):
+            if watch == "hook":
+                out.register_hook(lambda grad: (seen.append(grad.clone()), grad * 2)[1])
+            else:
+                out.retain_grad()
+                seen.append(out)
+
+        model.model.layers["1"].input_layernorm.register_forward_hook(watch_output)
+        stage.forward(0, hidden)
+        if split:
+            input_grad = stage.backward_input(0, grad_out)
+            stage.backward_weight(0)
+        else:
+            input_grad = stage.backward(0, grad_out)
+        watched = seen if watch == "hook" else [out.grad for out in seen]
+        results.append((input_grad, {n: p.grad for n, p in model.named_parameters()}, watched))
+    (whole_input, whole_weights, whole_seen), (split_input, split_weights, split_seen) = results
+    torch.testing.assert_close(split_input, whole_input, atol=1e-6, rtol=0)
+    for name, grad in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert len(split_seen) == len(whole_seen) == 1
+    torch.testing.assert_close(split_seen[0], whole_seen[0])
+    assert torch.Tensor.register_hook.__qualname__ == "Tensor.register_hook", "the methods are put back"
+    assert "retain_grad" not in torch.Tensor.__dict__
+
+
 def test_split_backward_accumulates_through_the_parameters_hooks():
     """Weight gradients go through each parameter's accumulator, so its hooks fire as in a whole backward."""
     model, stage = _stage(build("own", num_layers=2, seed=1), range(1, 2), 1, 2)
