@@ -88,6 +88,9 @@ def validate(cfg: Config, world_size: int) -> None:
     check(o.lr_decay_steps == 0 or o.lr_decay_steps > o.warmup_steps,
           f"optim.lr_decay_steps {o.lr_decay_steps} must come after optim.warmup_steps {o.warmup_steps} "
           "(the cosine decays from the end of the warmup), or be 0 to decay until train.max_steps")
+    check(o.lr_decay_steps > 0 or t.max_steps > o.warmup_steps,
+          f"train.max_steps {t.max_steps} ends within optim.warmup_steps {o.warmup_steps}: the learning rate would "
+          f"never reach optim.lr nor decay to optim.min_lr; set optim.warmup_steps below {t.max_steps} (0: none)")
     check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
     check(o.lr <= FLOAT32_MAX * (1 - o.beta1), f"optim.lr {o.lr} is too large: AdamW's first step moves by up to "
           f"lr / (1 - optim.beta1) = {o.lr / (1 - o.beta1):.3g}, beyond float32's range")

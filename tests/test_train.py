@@ -114,6 +114,12 @@ def test_config_errors(tmp_path, corpus):
         validate(with_overrides(cfg, **{"pipeline.layer_counts": [3, 2]}), 2)
     with pytest.raises(ConfigError, match="must be >= 1"):
         validate(with_overrides(cfg, **{"train.max_steps": 0}), 1)
+    # The default decay ends at max_steps: a run shorter than its warmup never reached the lr, nor min_lr.
+    with pytest.raises(ConfigError, match=r"train.max_steps 2 ends within optim.warmup_steps 2: the learning rate "
+                                          r"would never reach optim.lr nor decay to optim.min_lr; set "
+                                          r"optim.warmup_steps below 2 \(0: none\)"):
+        validate(with_overrides(cfg, **{"train.max_steps": 2, "optim.lr_decay_steps": 0}), 1)
+    validate(with_overrides(cfg, **{"train.max_steps": 3, "optim.lr_decay_steps": 0}), 1)
     # Checked up front, not after training (the end-of-run sample) or after reading the data.
     for key, value, message in (("export.temperature", -1.0, "export.temperature must be >= 0"),
                                 ("export.top_k", -3, "export.top_k must be >= 0"),
