@@ -13,6 +13,9 @@ from ._checks import SURROGATES
 from .token_cache import CACHE_PATTERN
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+# A file named directly with this suffix is read as JSON Lines too (what `datasets`' to_json writes);
+# a directory's .json files are left alone (configs, tokenizers).
+_NAMED_JSONL_SUFFIXES = JSONL_SUFFIXES | {".json"}
 PARQUET_SUFFIXES = {".parquet"}
 # Suffixes picked up when scanning a directory; a file named directly is read whatever its suffix.
 TEXT_SUFFIXES = {
@@ -76,6 +79,9 @@ def expand_sources(data: str | Path | Sequence[str | Path] | None, skip: Path | 
             sources.append(item)
             continue
         path = Path(item).expanduser()
+        if path.is_dir() and ((skip is not None and path.resolve() == skip.resolve()) or _is_run_dir(path)):
+            raise ValueError(f"data path {path} is a training run's directory: its config, metrics and token caches "
+                             "are what training wrote, not data; give the directory or files of your text")
         if path.is_file():
             sources.append(path)
         elif path.is_dir():
@@ -112,7 +118,8 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); a JSON data file holds one object per "
+                                     "line (JSON Lines), such as {\"text\": \"...\"}") from None
                 yield _field(record, field, f"{path}:{lineno}")
 
 
@@ -188,6 +195,23 @@ def _reader(text: str) -> Callable[[int], str]:
     return read
 
 
+def _text_read(f, path: Path) -> Callable[[int], str]:
+    """`f.read`, refusing a file that starts as no text does, with a NUL character (compressed, binary or
+    UTF-16 data, which UTF-8 decoding with replacement would turn into garbage to train on)."""
+    first = True
+
+    def read(n: int) -> str:
+        nonlocal first
+        text = f.read(n)
+        if first and "\x00" in text:
+            raise ValueError(f"{path} holds binary data, not UTF-8 text (a NUL byte in its first {len(text):,} "
+                             "characters): decompress or convert it, or give text, JSONL or Parquet files")
+        first = False
+        return text
+
+    return read
+
+
 def _without_blank_start(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
     """A document's pieces from its first non-blank one on: a blank document yields nothing."""
     started = False
@@ -209,13 +233,13 @@ def iter_pieces(sources: Iterable[Source], text_field: str = "text",
     for src in sources:
         if isinstance(src, str):
             docs = _hf_documents(src, text_field)
-        elif src.suffix.lower() in JSONL_SUFFIXES:
+        elif src.suffix.lower() in _NAMED_JSONL_SUFFIXES:
             docs = _jsonl_documents(src, text_field)
         elif src.suffix.lower() in PARQUET_SUFFIXES:
             docs = _parquet_documents(src, text_field)
         else:  # a text file: one document, read from the file a piece at a time
             with open(src, encoding="utf-8-sig", errors="replace") as f:  # -sig: a leading BOM is no text
-                yield from _without_blank_start(_cut(f.read, max_chars))
+                yield from _without_blank_start(_cut(_text_read(f, src), max_chars))
             continue
         for doc in docs:
             yield from _without_blank_start(_cut(_reader(doc), max_chars))

@@ -100,6 +100,41 @@ def test_other_runs_directories_inside_the_data_directory_are_not_data(tmp_path)
     (tmp_path / "runs" / "more.txt").write_text("beside the runs")  # runs/ itself holds no token caches: read
     assert S.expand_sources(tmp_path) == [tmp_path / "notes.txt", tmp_path / "runs" / "more.txt"]
 
+def test_a_run_directory_named_as_the_data_is_refused(tmp_path):
+    """`--data.path` naming the run directory itself: its config and metrics were read as data (the resume then
+    stopped on metrics.jsonl's missing 'text', suggesting another text_field)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("the text to learn. " * 10)
+    for named, skip in ((run_dir, run_dir), (tmp_path / "other", None)):
+        if skip is None:
+            D.prepare_data(named, [str(run_dir)], seq_len=2, vocab_size=260, eval_fraction=0)  # a run: its caches
+        with pytest.raises(ValueError, match=f"data path {named} is a training run's directory: its config, metrics "
+                                             "and token caches are what training wrote, not data"):
+            S.expand_sources(named, skip=skip)
+
+
+def test_a_named_json_file_is_json_lines_and_a_binary_file_is_refused(tmp_path):
+    """A .json file named directly (`datasets`' to_json writes JSON Lines under that name) was trained on as text,
+    its syntax and escapes included, and a compressed file as the garbage its bytes decode to."""
+    path = tmp_path / "d.json"
+    path.write_text('{"text": "first\\nline"}\n{"text": "second"}\n')
+    assert documents(S.expand_sources(path)) == ["first\nline", "second"]
+    (tmp_path / "array.json").write_text('[\n{"text": "x"}\n]\n')
+    with pytest.raises(ValueError, match=r"array.json:1: not valid JSON .*; a JSON data file holds one object per "
+                                         r"line \(JSON Lines\)"):
+        documents(S.expand_sources(tmp_path / "array.json"))
+    with pytest.raises(ValueError, match="no data files under directory"):  # a directory's .json files are not data
+        S.expand_sources(tmp_path)
+    import gzip
+
+    packed = tmp_path / "d.txt.gz"
+    packed.write_bytes(gzip.compress(b"some text " * 100, mtime=0))
+    with pytest.raises(ValueError, match=r"d.txt.gz holds binary data, not UTF-8 text \(a NUL byte in its first "
+                                         r"[\d,]+ characters\): decompress or convert it"):
+        documents([packed])
+
+
 def test_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
