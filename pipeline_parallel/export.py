@@ -55,7 +55,8 @@ def hf_config_dict(model: nn.Module, eos_id: int, bos_id: int | None = None) -> 
 
 def _hf_tensors(model: nn.Module, path: str | Path) -> dict[str, tuple[str, object]]:
     """Where in the `*.safetensors` files at `path` each of `model`'s tensors is: name -> (name in the
-    files, open file). A tied LM head missing from the files is the embedding. Raises if any is missing."""
+    files, open file). A tied LM head missing from the files is the embedding. Raises if any is missing
+    or of another shape than the model's (read from the files' headers)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
@@ -77,11 +78,18 @@ def _hf_tensors(model: nn.Module, path: str | Path) -> dict[str, tuple[str, obje
             f"hold e.g. {sorted(set(where) - {s for s, _ in found.values()})[:2]}: files whose layout transformers "
             "converts while loading (as for the MoE families on transformers 5, whose experts it fuses) cannot be "
             "read by name; give a model whose files name its weights as the model does")
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for name, (source, handle) in found.items():
+        shape = tuple(handle.get_slice(source).get_shape())
+        if shape != shapes[name]:
+            raise ValueError(f"{path}: {source} has shape {shape}, the model {shapes[name]} (from config.json): "
+                             "give the config.json saved with these weights")
     return found
 
 
 def check_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Raise unless the files at `path` hold every weight of `model` under its name (reads headers only)."""
+    """Raise unless the files at `path` hold every weight of `model` under its name and in its shape
+    (reads headers only)."""
     _hf_tensors(model, path)
 
 
@@ -94,10 +102,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """
     state = model.state_dict()
     for name, (source, handle) in _hf_tensors(model, path).items():
-        value = handle.get_tensor(source)
-        if value.shape != state[name].shape:
-            raise ValueError(f"{path}: {source} has shape {tuple(value.shape)}, the model {tuple(state[name].shape)}")
-        state[name].copy_(value)
+        state[name].copy_(handle.get_tensor(source))
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -533,6 +533,22 @@ def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_da
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
 
+def test_an_hf_model_whose_weights_do_not_fit_its_config_is_refused_before_the_data(corpus, tmp_path):
+    """A config.json edited or mixed up after the weights were saved: found when the weights were loaded,
+    after the data was prepared, with a traceback on every rank."""
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    config.intermediate_size = 96
+    config.save_pretrained(tmp_path / "llama")
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"hf_model: .*llama: model.layers.0.mlp.gate_proj.weight has shape "
+                                          r"\(64, 32\), the model \(96, 32\) \(from config.json\): give the "
+                                          r"config.json saved with these weights"):
+        Trainer(cfg)
+    assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
+
+
 def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 
