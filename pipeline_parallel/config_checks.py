@@ -95,6 +95,10 @@ def validate(cfg: Config, world_size: int) -> None:
     check(o.lr <= FLOAT32_MAX * (1 - o.beta1), f"optim.lr {o.lr} is too large: AdamW's first step moves by up to "
           f"lr / (1 - optim.beta1) = {o.lr / (1 - o.beta1):.3g}, beyond float32's range")
     check(d.vocab_size >= 257, f"data.vocab_size must be at least 257 (256 bytes + end-of-text), got {d.vocab_size}")
+    check(bool(cfg.hf_model or d.tokenizer) or not cfg.model.vocab_size or cfg.model.vocab_size >= d.vocab_size,
+          f"model.vocab_size {cfg.model.vocab_size} is below data.vocab_size {d.vocab_size}, the size of the tokenizer "
+          "trained for the run, so some token IDs would have no embedding row: raise model.vocab_size, lower "
+          "data.vocab_size, or leave model.vocab_size unset to take the tokenizer's")
     check(d.tokenizer_train_chars >= 1, f"data.tokenizer_train_chars must be >= 1, got {d.tokenizer_train_chars}")
     check(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     check(d.eval_fraction > 0 or not cfg.eval.interval, "eval.interval: data.eval_fraction = 0 holds out no "

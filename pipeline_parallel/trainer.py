@@ -106,7 +106,11 @@ class Trainer:
         tok = self.data.tokenizer
         model = build_model(cfg, tok.vocab_size)
         if tok.vocab_size > model.config.vocab_size:
-            raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {model.config.vocab_size}")
+            where = f"{cfg.hf_model}'s config.json has vocab_size" if cfg.hf_model else "model.vocab_size is"
+            raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but {where} {model.config.vocab_size}, so "
+                              "some token IDs would have no embedding row: give the model's own tokenizer (or a "
+                              "smaller one)" + ("" if cfg.hf_model else ", or leave model.vocab_size unset to take "
+                                                "the tokenizer's"))
         self.model_config = hf_config_dict(model, tok.eos_id, tok.bos_id)
         self.say(f"model: {num_parameters(model):,} parameters, {self.model_config['num_hidden_layers']} layers; data: "
                  f"{len(self.data.train):,} train and {len(self.data.eval):,} held-out sequences of "

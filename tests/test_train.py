@@ -120,6 +120,13 @@ def test_config_errors(tmp_path, corpus):
                                           r"optim.warmup_steps below 2 \(0: none\)"):
         validate(with_overrides(cfg, **{"train.max_steps": 2, "optim.lr_decay_steps": 0}), 1)
     validate(with_overrides(cfg, **{"train.max_steps": 3, "optim.lr_decay_steps": 0}), 1)
+    # A model smaller than the tokenizer: up front when the run trains the tokenizer, else once it is read.
+    with pytest.raises(ConfigError, match=r"model.vocab_size 300 is below data.vocab_size 320, the size of the "
+                                          r"tokenizer trained for the run, .*: raise model.vocab_size"):
+        validate(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 300}), 1)
+    with pytest.raises(ConfigError, match=r"the tokenizer has 320 tokens but model.vocab_size is 300, so some token "
+                                          r"IDs would have no embedding row: .* or leave model.vocab_size unset"):
+        Trainer(with_overrides(cfg, **{"model.vocab_size": 300}))
     # Checked up front, not after training (the end-of-run sample) or after reading the data.
     for key, value, message in (("export.temperature", -1.0, "export.temperature must be >= 0"),
                                 ("export.top_k", -3, "export.top_k must be >= 0"),
