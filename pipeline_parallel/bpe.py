@@ -80,7 +80,7 @@ def get_tokenizer(
     saved, record = Path(run_dir) / TOKENIZER_FILE, Path(run_dir) / TRAINED_WITH_FILE
     asked = {"vocab_size": vocab_size, "tokenizer_train_chars": tokenizer_train_chars}
     if saved.is_file():
-        trained = json.loads(record.read_text()) if record.is_file() else asked  # older runs kept no record
+        trained = _trained_with(record) if record.is_file() else asked  # older runs kept no record
         changed = [key for key in asked if trained.get(key) != asked[key]]
         if changed:
             raise ValueError(
@@ -92,3 +92,17 @@ def get_tokenizer(
     atomic_write(record, json.dumps(asked) + "\n")  # first: a tokenizer.json never lacks its record
     atomic_write(saved, tok.backend.to_str())  # one self-contained file (its eos is found by name)
     return tok
+
+
+def _trained_with(record: Path) -> dict:
+    """The settings `record` (tokenizer-trained-with.json) says the run's tokenizer was trained with."""
+    try:
+        trained = json.loads(record.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        trained = e
+    if not isinstance(trained, dict):
+        raise ValueError(f"{record} is damaged ({trained if isinstance(trained, Exception) else 'not a JSON object'}): "
+                         f"it records what {record.parent / TOKENIZER_FILE} was trained with; write it again as "
+                         '{"vocab_size": N, "tokenizer_train_chars": N} with the values the run was started with, '
+                         "or use a new run directory")
+    return trained

@@ -688,6 +688,12 @@ def test_settings_for_another_trained_tokenizer_are_refused_not_ignored(corpus, 
                                                   rf"there reuses it, but {key} = {value} is asked for: .*new run"):
                 Trainer(make_cfg(tmp_path, corpus, **{**own, f"data.{key}": value, "train.max_steps": 2}))
     Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))  # the same tokenizer settings resume
+    record = tmp_path / "tokenizer-trained-with.json"
+    for damaged in ('{"vocab_size": 3', "[]"):  # a JSONDecodeError naming no file; an AttributeError's traceback
+        record.write_text(damaged)
+        with pytest.raises(ConfigError, match=r"data: .*tokenizer-trained-with.json is damaged \(.*\): it records what "
+                                              r".*tokenizer.json was trained with; write it again"):
+            Trainer(make_cfg(tmp_path, corpus, **{**own, "train.max_steps": 2}))
 
 
 def test_the_export_carries_the_tokenizer_of_its_run_not_one_an_earlier_start_kept(corpus, tmp_path):
