@@ -268,14 +268,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     A key takes the next argument as its value whatever it looks like, so a prompt such as "-h" is text;
     only a boolean key, or --resume (then "latest"), may stand bare before the next --key or the end."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    path, overrides = None, {}
+    path, overrides, taken = None, {}, ""
     while argv:
         arg = argv.pop(0)
         if arg in ("-h", "--help"):
             _usage().print_help()
             raise SystemExit(0)
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3")
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3{taken}")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
         if key != "config" and key not in KEYS:
@@ -290,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                 value = argv.pop(0)
             else:
                 raise ConfigError(f"--{key.replace('_', '-')} needs a value")
+        taken = (f" (--{key.replace('_', '-')} took {value!r} as its value: give it one)"
+                 if not eq and value.startswith("--") else "")
         if key == "config":
             path = value
         else:

@@ -180,6 +180,9 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     # A key's value is the next argument whatever it looks like: "-h" used to print the help instead.
     cfg = parse_args(["--export.prompt", "-h", "--resume", "--data.path", "--notes.txt", "--config=" + str(toml)])
     assert (cfg.export.prompt, cfg.resume, cfg.data.path, cfg.run_dir) == ("-h", "latest", ["--notes.txt"], "r")
+    with pytest.raises(ConfigError, match=r"unexpected argument '1e-3'; overrides look like --optim.lr 1e-3 "
+                                          r"\(--train.max-steps took '--optim.lr' as its value: give it one\)"):
+        parse_args(["--train.max_steps", "--optim.lr", "1e-3"])  # the message named only what was typed right
 
 
 def test_help_lists_every_key(capsys):
