@@ -355,7 +355,7 @@ def _main_where_rank_1_misses_a_file(rank, world_size, run_dir):
         trainer.validate = validate
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
-        main(["--run-dir", run_dir, "--train.max_steps", "4"])
+        main(["--run-dir", run_dir, "--train.max_steps", "4", "--optim.warmup_steps", "2"])
     return exit_info.value.code, stderr.getvalue()
 
 
