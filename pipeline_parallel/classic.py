@@ -8,8 +8,8 @@ from torch import nn
 from .batch import agree_on_batch, fingerprint
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, model_settings,
-                             tied_weight_end)
+from .models.decoder import DecoderParts, check_shared_parameters, is_tied, model_settings, tied_weight_end
+from .models.families import check_layout
 from .models.materialize import weights_on_meta
 from .partition import balanced_layer_counts, layer_ranges
 from .pipeline import planning_costs, rank_program

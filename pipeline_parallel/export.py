@@ -24,7 +24,7 @@ from torch import nn
 
 from ._files import replace_dir, temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
-from .models.decoder import hf_float32
+from .models.families import hf_float32
 from .models.materialize import materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from .tokenizer_identity import loads_differently, tokenizer_differences, tokenizer_record

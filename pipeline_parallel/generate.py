@@ -15,7 +15,7 @@ from ._checks import check_int, check_seed, is_utf8
 from .checkpoint import is_checkpoint
 from .export import export_tokenizer, load_full_model
 from .models import generate
-from .models.decoder import hf_float32
+from .models.families import hf_float32
 from .tokenizer import Tokenizer
 
 

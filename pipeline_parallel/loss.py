@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .models.decoder import ForwardScales
+    from .models.families import ForwardScales
 
 IGNORE_INDEX = -100
 _CHUNK_BYTES = 256 * 2**20  # HeadLoss takes as many tokens at once as make this much float32 softmax

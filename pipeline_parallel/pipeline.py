@@ -12,8 +12,8 @@ from ._checks import check_int, check_positive, check_seed
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import (DecoderParts, check_layout, check_shared_parameters, is_tied, model_settings,
-                             tied_weight_end)
+from .models.decoder import DecoderParts, check_shared_parameters, is_tied, model_settings, tied_weight_end
+from .models.families import check_layout
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step

@@ -25,7 +25,7 @@ from .export import EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_d
 from .launch import join_group, setup_device, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
-from .models.decoder import check_layout, hf_float32
+from .models.families import check_layout, hf_float32
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeline_parallel import loss as loss_module
 from pipeline_parallel.loss import IGNORE_INDEX, HeadLoss, loss_sum
-from pipeline_parallel.models.decoder import ForwardScales
+from pipeline_parallel.models.families import ForwardScales
 from pipeline_parallel.stage import head_loss_applies
 
 VOCAB = 50

@@ -21,7 +21,8 @@ from _models import (assert_grads_close, build, full_loss, grads, layer_ranges, 
                      stage_names)
 
 import pipeline_parallel as pp
-from pipeline_parallel.models.decoder import SUPPORTED_MODEL_TYPES, DecoderParts, ForwardScales
+from pipeline_parallel.models.decoder import DecoderParts
+from pipeline_parallel.models.families import SUPPORTED_MODEL_TYPES, ForwardScales
 from pipeline_parallel.schedules.actions import input_of, result_of
 
 MAX_NORM = 0.05

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .decoder import check_layout, is_hf_config
+from .families import check_layout, is_hf_config
 from .llama import seed_for_name
 
 
