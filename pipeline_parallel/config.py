@@ -36,6 +36,8 @@ def as_config_error(setting: str, *errors: type[Exception]):
         raise ConfigError(f"{setting}: {e}") from None
 
 
+CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"  # a named size (tiny, small, medium, 1b, 8b); the fields below override it

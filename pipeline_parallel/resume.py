@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra, saved_checkpoints
-from .config import Config, ConfigError, as_config_error
+from .config import CONFIG_FILE, Config, ConfigError, as_config_error, load_config, settings
 from .data import Data
 from .export import export_command
 from .models.decoder import model_settings
@@ -63,11 +63,30 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
         with as_resume_error():
             step = read_extra(path)["step"]
         if step >= cfg.train.max_steps:  # starting would only repeat the run's end
+            _refuse_another_run(cfg, path, step)
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
                               "further, raise train.max_steps; to export that checkpoint again: "
                               f"{export_command(path)}")
     return path
+
+
+def _refuse_another_run(cfg: Config, path: Path, step: int) -> None:
+    """Raise if the complete run of checkpoint `path` was started with another model, data or seed than `cfg`
+    asks for, as it was recorded in its run_dir/config.toml: the start is meant as a new run (say in the
+    default run_dir, which the quick start used), not to finish that one."""
+    recorded = path.parent.parent / CONFIG_FILE
+    try:
+        then = settings(load_config(recorded))
+    except (OSError, ConfigError):  # no record (an older run), or one this version cannot read: not compared
+        return
+    now = settings(cfg)
+    differ = [f"{key} {then[key]!r} there, {now[key]!r} now" for key in now
+              if key.startswith(("model.", "data.")) or key in ("hf_model", "seed") if then[key] != now[key]]
+    if differ:
+        raise ConfigError(f"the run in {cfg.run_dir} is complete ({path.name}, train.max_steps {cfg.train.max_steps}), "
+                          f"and it was started with other settings ({'; '.join(differ)}): nothing was changed. "
+                          "Give a new run_dir for a new run, or its own settings to train it further or export it")
 
 
 def check_resumable(path: Path, extra: dict, model_config: dict, data: Data) -> None:

@@ -18,7 +18,7 @@ from ._files import atomic_write, room_note
 from .batch import differences
 from .checkpoint import load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
-from .config import Config, ConfigError, as_config_error, settings, to_toml
+from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
 from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_dict, keep_run_tokenizer, load_hf_weights
@@ -32,7 +32,6 @@ from .resume import as_resume_error, check_resumable, checkpoint_to_resume
 from .run_end import report_run_end
 from .tokenizer_identity import tokenizer_record
 
-CONFIG_FILE = "config.toml"  # in run_dir: the resolved settings of its latest start
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:

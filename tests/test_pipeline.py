@@ -545,6 +545,17 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
         assert (ref_loss.item() != pytest.approx(windowless, abs=1e-4)) == (SUPPORTED_MODEL_TYPES[model_type] != "causal")
 
 
+def test_the_readme_names_every_supported_family():
+    """The README's count and list of model types are the table's (its count had stayed at 50 when 23 were added)."""
+    import pathlib
+    import re
+
+    docs = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())
+    assert f"({len(SUPPORTED_MODEL_TYPES)} model types," in docs
+    listed = re.search(r"the `model_type`s (.*?) \(`SUPPORTED_MODEL_TYPES`", docs)[1]
+    assert set(re.split(r", | and ", listed)) == set(SUPPORTED_MODEL_TYPES)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attention):

@@ -565,6 +565,16 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
             "train (nothing was changed). To train further, raise train.max_steps; to export that checkpoint "
             f"again: python -m pipeline_parallel.export {last}\n")
         assert files() == before
+    # Another model in that run_dir (the default one after the quick start): meant as a new run, which it
+    # did not start, and said it trained nothing, exit code 0.
+    config.write_text(to_toml(make_cfg(run_dir, corpus, **{"model.num_hidden_layers": 3})))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(config)])
+    assert exit_info.value.code == 2 and files() == before
+    assert capsys.readouterr().err == (
+        f"error: the run in {run_dir} is complete (step_000006, train.max_steps 6), and it was started with other "
+        "settings (model.num_hidden_layers 4 there, 3 now): nothing was changed. Give a new run_dir for a new run, "
+        "or its own settings to train it further or export it\n")
 
 
 def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
