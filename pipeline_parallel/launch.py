@@ -48,7 +48,13 @@ def _use_cuda(cfg: Config) -> bool:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device = cuda, but this torch ({torch.__version__}) finds no CUDA GPU; "
                           "use device = cpu, or auto to take a GPU when there is one")
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    use = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    local_ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count() if use else 0
+    if use and local_ranks > gpus:  # each rank takes the GPU of its local rank
+        raise ConfigError(f"device = {cfg.device} takes a CUDA GPU for each process, but this node runs {local_ranks} "
+                          f"and has {gpus}: launch at most {gpus} per node (torchrun --nproc-per-node {gpus}), or set "
+                          "device = cpu to train on the CPU")
+    return use
 
 
 def _local_gpu() -> torch.device:

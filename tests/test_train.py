@@ -213,6 +213,22 @@ def test_unreadable_settings_are_config_errors_before_the_data(tmp_path, corpus)
     assert not list(tmp_path.glob("r*/tokens-*")), "all refused before the data was prepared"
 
 
+def test_more_processes_on_a_node_than_gpus_is_a_config_error(monkeypatch, tmp_path, corpus):
+    """The quick start (2 processes, device auto) on a machine with one GPU: rank 1 asked for cuda:1, which
+    failed inside torch (as it would with a GPU short on any node)."""
+    from pipeline_parallel import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for device in ("auto", "cuda"):
+        with pytest.raises(ConfigError, match=f"device = {device} takes a CUDA GPU for each process, but this node runs "
+                                              r"2 and has 1: launch at most 1 per node \(torchrun --nproc-per-node 1\), "
+                                              "or set device = cpu"):
+            launch.join_group(make_cfg(tmp_path, corpus, device=device))  # before any rank waits on another
+
+
 def _hold_run_dir(run_dir, held, release):
     lock_dir(run_dir)
     held.set()
