@@ -23,7 +23,9 @@ def build_schedule(
 
     Each rank's last `split` backwards are split into I and W (see `split_backwards`) or, by
     default, whichever split the simulator finds fastest for these relative forward costs per
-    stage (equal if None; see `choose_split`); the costs also decide where each W goes.
+    stage (equal if None; see `choose_split`); the costs also decide where each W goes. With
+    `prefetch` each receive is posted one compute action before the action that needs it (see
+    `lower`); without, right before it, in the order NCCL needs, which is checked too.
     """
     key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:

@@ -39,7 +39,8 @@ _COMM = _SENDS | _RECVS
 
 
 class Action(NamedTuple):
-    """One step of a rank's program, e.g. `F(stage=2, mb=5)` or `RECV_B(stage=1, mb=0)`."""
+    """One step of a rank's program: `F(2, 5)` (stage 2's forward of microbatch 5, shown F2.5), or a transfer
+    the lowering adds, such as `Action(Kind.RECV_B, 1, 0)` (RECV_B1.0)."""
 
     kind: Kind
     stage: int
