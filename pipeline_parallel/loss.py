@@ -37,8 +37,8 @@ class HeadLoss:
     gradient no one watches (`stage.head_loss_applies`).
 
     The forward takes the tokens a chunk at a time (`_CHUNK_BYTES`), so that of the tokens x vocab
-    tensors only the kept gradient exists whole: the logits and their float32 softmax, twice and
-    thrice its size where all tokens are taken at once, exist for a chunk only.
+    tensors only the kept gradient exists whole: the logits and their float32 softmax (as large as
+    it, and in bfloat16 twice as large), made for all tokens at once, would double or triple it.
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
