@@ -38,7 +38,7 @@ class HeadLoss:
 
     The forward takes the tokens a chunk at a time (`_CHUNK_BYTES`), so that of the tokens x vocab
     tensors only the kept gradient exists whole: the logits and their float32 softmax (as large as
-    it, and in bfloat16 twice as large), made for all tokens at once, would double or triple it.
+    it, and in bfloat16 twice as large), made for all tokens at once, would add two or three times its size.
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
