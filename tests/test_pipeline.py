@@ -7,6 +7,7 @@ results against the reference computed here in the parent on a copy of the same 
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import traceback
 from dataclasses import dataclass, field
@@ -501,6 +502,23 @@ def _family(model_type: str, windows: bool = False, **extra):
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return model
+
+
+@pytest.mark.parametrize("model_type", ["stablelm", "qwen2_moe"])
+def test_a_family_whose_attention_holds_unused_rotary_tables_builds_on_meta(model_type):
+    """Before transformers 5, StableLM's and Qwen2-MoE's attention layers hold rotary tables of their own
+    that their forward never calls; built on meta they stopped the Pipeline (an --hf-model run too) as a
+    buffer it cannot make. They are recomputed from the config, as the model's own."""
+    import transformers
+
+    config = _family(model_type).config
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    tables = {name: b for name, b in pipe.model.named_buffers() if name.endswith("inv_freq")}
+    assert tables and all(torch.equal(b, pipe.model.model.rotary_emb.inv_freq) for b in tables.values()), tables
+    x, y = make_batch(4, 8, num_microbatches=2)
+    assert math.isfinite(pipe.step(x, y))
 
 
 @pytest.mark.parametrize("windows", [False, True], ids=["plain", "windows"])

@@ -52,8 +52,16 @@ def weights_on_meta(model: nn.Module) -> bool:
 
 def _meta_buffers(model: nn.Module) -> list[str]:
     """The names of the model's buffers on the meta device, other than the rotary tables."""
-    rotary = {id(b) for b in model.model.rotary_emb.buffers()}
+    rotary = {id(b) for _, module in _rotaries(model) for b in module.buffers()}
     return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
+
+
+def _rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's rotary embedding, and the other modules of its type: before transformers 5 some families
+    (StableLM, Qwen2-MoE) give each attention a copy that their forward does not call. Tables no checkpoint
+    holds, computed from the config."""
+    kind = type(model.model.rotary_emb)
+    return [(name, module) for name, module in model.named_modules() if type(module) is kind]
 
 
 def _random_state_kept():
@@ -73,7 +81,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
     """
     inner = model.model
-    if weights_on_meta(model):
+    weights_made = weights_on_meta(model)
+    if weights_made:
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
         buffers = _meta_buffers(model)
@@ -101,11 +110,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
         if missed:
             raise ValueError(f"buffer {missed[0]} was on the meta device and the model's _init_weights does not "
                              "compute it; give the model with its buffers allocated")
-    elif not any(b.is_meta for b in inner.rotary_emb.buffers()):
-        return
-    rotary = inner.rotary_emb
-    if hasattr(rotary, "reset_inv_freq"):
-        rotary.reset_inv_freq(device)
-    else:
-        with torch.device(device):  # HF rotary tables are computed in __init__
-            inner.rotary_emb = type(rotary)(config=model.config)
+    for name, rotary in _rotaries(model):
+        if not any(b.is_meta for b in rotary.buffers()) and not weights_made:
+            continue
+        if hasattr(rotary, "reset_inv_freq"):
+            rotary.reset_inv_freq(device)
+        else:
+            with torch.device(device):  # HF rotary tables are computed in __init__
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, type(rotary)(config=model.config))
