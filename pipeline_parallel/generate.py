@@ -40,7 +40,8 @@ def check_prompt(prompt: str) -> None:
 
 def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> str:
-    """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document).
+    """`prompt` followed by `max_new_tokens` sampled tokens, as text (an empty prompt starts a document),
+    fewer where the model ends the text (its end-of-text token ends the sample and is not shown).
 
     The new tokens are decoded together with the prompt's and the prompt's own text cut off:
     decoded alone, they would lose what their joint with the prompt makes, such as the space
@@ -54,12 +55,13 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     check_seed("seed", seed)
     prompt_ids = tokenizer.encode(prompt)
     ids = tokenizer.document_ends[0] + prompt_ids or [tokenizer.eos_id]  # as a document starts in training
-    generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)  # on the model's device, or torch ignores it
     out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
-                   top_k=top_k or None, generator=generator if device.type == "cpu" else None,
-                   vocab_size=tokenizer.vocab_size)
+                   top_k=top_k or None, generator=generator, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
     new = out[0, len(ids):].tolist()
+    if new[-1:] == [tokenizer.eos_id]:  # the end of the text: ends the sample, not shown
+        new.pop()
     head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new)
     # A prompt that ends inside a character (byte-level BPE) decodes apart from the whole: then the new tokens alone.
     return prompt + (whole[len(head):] if whole.startswith(head) else tokenizer.decode(new))

@@ -176,6 +176,10 @@ def test_a_sample_keeps_the_space_a_sentencepiece_decoder_strips_from_a_text_sta
     assert tokenizer.decode(tokenizer.encode("Hello") + [vocab["▁world"]]) == "Hello world"
     assert sample(model, tokenizer, "Hello", max_new_tokens=2, temperature=0) == "Hello world world"
     assert sample(model, tokenizer, "", max_new_tokens=2, temperature=0) == "world world"  # a document's start
+    with torch.no_grad():  # now every next token is the end of text: the sample ends there, without showing it
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[vocab["</s>"], 0] = 1.0
+    assert sample(model, tokenizer, "Hello", max_new_tokens=5, temperature=0) == "Hello"
 
 
 def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):

@@ -174,6 +174,16 @@ def test_generate_shape_and_reproducibility():
     padded = generate(model, prompt, max_new_tokens=20, temperature=5.0, generator=torch.Generator().manual_seed(1),
                       vocab_size=7)
     assert int(padded[:, 5:].max()) < 7
+    # A sequence that samples the end of text ends there (it went on into a new document), as in Hugging Face's
+    # generate: filled with it until every sequence has ended, which ends the sampling.
+    greedy = generate(model, prompt, max_new_tokens=4, temperature=0)
+    eos = int(greedy[0, 6])  # the first sequence's second token
+    ended = generate(model, prompt, max_new_tokens=4, temperature=0, eos_id=eos)
+    assert torch.equal(ended[0, :7], greedy[0, :7]) and bool((ended[0, 7:] == eos).all())
+    stops = [int((row[5:] == eos).nonzero()[0]) + 6 if (row[5:] == eos).any() else 9 for row in greedy]
+    assert ended.shape == (3, max(stops))
+    for row, stop, want in zip(ended, stops, greedy):
+        assert torch.equal(row[:stop], want[:stop]) and bool((row[stop:] == eos).all())
     with pytest.raises(ValueError, match=r"temperature must be a number >= 0 \(0 picks the most likely token\), got -1.0"):
         generate(model, prompt, max_new_tokens=1, temperature=-1.0)
     with pytest.raises(ValueError, match=r"temperature must be a number >= 0 .*, got None"):  # was a TypeError

@@ -294,18 +294,21 @@ def num_parameters(model: nn.Module) -> int:
 @torch.no_grad()
 def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None,
-             vocab_size: int | None = None) -> torch.Tensor:
+             vocab_size: int | None = None, eos_id: int | None = None) -> torch.Tensor:
     """Sample max_new_tokens after input_ids (batch, seq) by re-running the whole context each step.
 
     temperature=0 picks the most likely token; top_k keeps only the k most likely tokens;
     `vocab_size` (the tokenizer's) leaves out the rows of an embedding padded beyond it, which
-    no text decodes to. Returns (batch, seq + max_new_tokens) token ids.
+    no text decodes to. A sequence that samples `eos_id` (end of text) ends there, as Hugging Face's
+    `generate` ends it: it is filled with `eos_id` until every sequence has ended, which ends the
+    sampling. Returns (batch, seq + at most max_new_tokens) token ids.
     """
     # A negative temperature would silently prefer the least likely tokens; inf samples all alike.
     temperature = check_nonnegative("temperature", temperature, allow_inf=True, hint=" (0 picks the most likely token)")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     if top_k is not None:
         top_k = check_int("top_k", top_k, hint=" (or None to sample among all tokens)")
+    ended = torch.zeros(len(input_ids), 1, dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
         context = input_ids[:, -model.config.max_position_embeddings:]
         logits = model(context).logits[:, -1, :vocab_size].float()
@@ -319,5 +322,9 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 scaled = scaled.masked_fill(logits < kth, float("-inf"))
             next_id = torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator)
-        input_ids = torch.cat((input_ids, next_id), dim=1)
+        input_ids = torch.cat((input_ids, next_id.masked_fill(ended, eos_id if eos_id is not None else 0)), dim=1)
+        if eos_id is not None:
+            ended |= next_id == eos_id
+            if ended.all():
+                break
     return input_ids
