@@ -24,7 +24,7 @@ from torch import nn
 
 from ._files import replace_dir, temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
-from .models.families import hf_float32
+from .models.families import hf_config, hf_float32, with_rope_keys_of_transformers_4
 from .models.materialize import materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from .tokenizer_identity import loads_differently, tokenizer_differences, tokenizer_record
@@ -32,6 +32,7 @@ from .tokenizer_identity import loads_differently, tokenizer_differences, tokeni
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
 WEIGHTS_FILE = "model.safetensors"
+HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 _EXPORT_MARK = {"exported_by": "pipeline_parallel"}  # in the weights' metadata: an export may be replaced
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -185,8 +186,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
 
     checkpoint = resolve_checkpoint(path)
     tokenizer = run_tokenizer(checkpoint)  # found missing or replaced now, not after loading the model
-    config = dict(read_extra(checkpoint)["model_config"])
-    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    config = hf_config(read_extra(checkpoint)["model_config"])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
     materialize(model, torch.device("cpu"), init_weights=False)  # the buffers no checkpoint holds
@@ -229,6 +229,8 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     config = type(model.config).from_dict(model.config.to_dict())
     config.dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     config.save_pretrained(tmp)
+    written = json.loads((tmp / HF_CONFIG).read_text())  # readable by transformers 4 too, and the tools that read it
+    (tmp / HF_CONFIG).write_text(json.dumps(with_rope_keys_of_transformers_4(written), indent=2, sort_keys=True) + "\n")
     tokenizer.save(tmp, getattr(config, "max_position_embeddings", None))
     if source and _keeps_special_tokens(config, Path(source)):  # its sampling defaults and stop tokens
         shutil.copyfile(Path(source) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
@@ -241,14 +243,14 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     metadata = {"format": "pt", **_EXPORT_MARK, "files": json.dumps(files), "tokenizer": json.dumps(tokenizer_record(tokenizer))}
     save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
-    os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / "config.json").stat().st_mode))
+    os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / HF_CONFIG).stat().st_mode))
 
 
 def _keeps_special_tokens(config, source: Path) -> bool:
     """Whether `source` has a generation config and `config` kept its BOS and EOS ids (see
     `hf_config_dict`), so that generation config still names this model's special tokens."""
     try:
-        saved = json.loads((source / "config.json").read_text())
+        saved = json.loads((source / HF_CONFIG).read_text())
     except (OSError, ValueError):
         return False
     return (source / GENERATION_CONFIG).is_file() and all(

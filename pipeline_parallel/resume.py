@@ -12,6 +12,7 @@ from .config import CONFIG_FILE, Config, ConfigError, as_config_error, load_conf
 from .data import Data
 from .export import export_command
 from .models.decoder import model_settings
+from .models.families import hf_config
 from .token_cache import STREAM_CHANGES
 from .tokenizer_identity import loads_differently, tokenizer_differences
 
@@ -131,7 +132,6 @@ def _settings_of(model_config: dict) -> dict:
     version reads it (4.55 wrote `rope_theta` where 5 writes `rope_parameters`): only real changes differ."""
     import transformers
 
-    model_type = model_config.get("model_type")
-    if model_type not in transformers.CONFIG_MAPPING:
+    if model_config.get("model_type") not in transformers.CONFIG_MAPPING:
         return model_config
-    return model_settings(transformers.CONFIG_MAPPING[model_type](**model_config))
+    return model_settings(hf_config(model_config))

@@ -553,6 +553,39 @@ def test_an_hf_model_whose_weights_do_not_fit_its_config_is_refused_before_the_d
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}],
+                         ids=["default", "llama3-scaling"])
+def test_a_model_config_recorded_under_transformers_5_reads_alike_under_4(scaling):
+    """Transformers 5 records the rotary base (and scaling) in rope_parameters only, which 4.x ignored: a
+    checkpoint trained under 5 exported or sampled under 4.55 got a base of 10,000 (logits 10 apart)."""
+    from pipeline_parallel.models.families import hf_config
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 max_position_embeddings=64)
+    recorded = {"model_type": "llama", **shape,  # as transformers 5 records it
+                "rope_parameters": {"rope_theta": 50.0, "rope_type": "default", **(scaling or {})}}
+    native = transformers.LlamaConfig(**shape, rope_theta=50.0, rope_scaling=scaling)  # as this version writes it
+    tables = [transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config=config).inv_freq
+              for config in (hf_config(recorded), native)]
+    torch.testing.assert_close(tables[0], tables[1], rtol=0, atol=0)
+    assert not torch.equal(tables[1], transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+        config=transformers.LlamaConfig(**shape)).inv_freq), "the base matters here"
+
+
+def test_an_export_names_its_rotary_base_where_transformers_4_reads_it(corpus, tmp_path):
+    """Written under transformers 5, config.json held the base in rope_parameters only: transformers 4 (and
+    tools that read rope_theta) loaded a base of 10,000, another function (argmax agreeing on 21% of tokens)."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, rope_theta=50.0)
+    out = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "hf")
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_theta"] == 50.0 and written.get("rope_scaling") is None
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert (getattr(loaded, "rope_parameters", None) or {"rope_theta": loaded.rope_theta})["rope_theta"] == 50.0
+
+
 def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 

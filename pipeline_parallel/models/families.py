@@ -264,6 +264,38 @@ def hf_float32() -> dict[str, torch.dtype]:
     return {"dtype" if _transformers_version() >= (4, 56) else "torch_dtype": torch.float32}
 
 
+def with_rope_keys_of_transformers_4(config: dict) -> dict:
+    """`config` (a model config as a dict) with the rotary settings also where transformers 4 reads them.
+
+    Transformers 5 keeps the rotary base and scaling in `rope_parameters` only, which 4.x ignores,
+    falling back to a base of 10,000: a config recorded or exported under 5 would load there as another
+    function. So `rope_theta`, and `rope_scaling` unless the scaling is the default, are added at the top
+    level from a `rope_parameters` that holds one set for every layer (5.x reads `rope_parameters` first).
+    """
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope:  # none, or one set per layer kind (Gemma 3)
+        return config
+    config = {**config, "rope_theta": config.get("rope_theta", rope["rope_theta"])}
+    if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+        config["rope_scaling"] = {key: value for key, value in rope.items() if key != "rope_theta"}
+    return config
+
+
+def hf_config(model_config: dict):
+    """The Hugging Face config of a model config recorded as a dict (in a checkpoint), as this
+    transformers version reads it, whichever version recorded it."""
+    import transformers
+
+    model_config = dict(model_config)
+    if _transformers_version() < (5, 0):
+        rope = model_config.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" not in rope:
+            raise ValueError("the model's config was recorded under transformers 5 with rotary settings per layer "
+                             "kind, which transformers 4 cannot read: use transformers 5")
+        model_config = with_rope_keys_of_transformers_4(model_config)
+    return transformers.AutoConfig.for_model(model_config.pop("model_type"), **model_config)
+
+
 def _transformers_version() -> tuple[int, int]:
     import transformers
 
