@@ -307,11 +307,20 @@ def _check_creatable(out_dir: Path) -> None:
 
 def _exported_files(out_dir: Path) -> set[str] | None:
     """The files `save_hf_model` wrote into `out_dir` (its weights carry our mark and name them), or
-    None if it is not an export. An export made before the weights named the files: all it holds."""
+    None if it is not an export. An export made before the weights named the files: those of its names
+    an export writes (a file of another name is someone's)."""
     metadata = _export_metadata(out_dir)
     if metadata is None:
         return None
-    return set(json.loads(metadata["files"])) if "files" in metadata else {e.name for e in out_dir.iterdir()}
+    if "files" in metadata:
+        return set(json.loads(metadata["files"]))
+    return {e.name for e in out_dir.iterdir()} & _EXPORT_NAMES
+
+
+# What an export writes: the weights, the config, the generation config and the files of a tokenizer.
+_EXPORT_NAMES = frozenset({WEIGHTS_FILE, HF_CONFIG, GENERATION_CONFIG, TOKENIZER_FILE, "tokenizer_config.json",
+                           "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+                           "merges.txt", "chat_template.jinja", "chat_template.json"})
 
 
 def _export_metadata(out_dir: Path) -> dict | None:

@@ -204,6 +204,18 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     assert (out / "notes.md").read_text() == "mine" and (out / "config.json").is_file()
     (out / "notes.md").unlink()
     assert export(run_dir, out)[0] == out
+    # An export from before the weights named their files: its notes were taken for its own, and deleted.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, str(out / "model.safetensors"), {k: v for k, v in metadata.items() if k != "files"})
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"is an earlier export, but it also holds notes.md, which no export wrote"):
+        export(run_dir, out)
+    (out / "notes.md").unlink()
+    assert export(run_dir, out)[0] == out
     assert (tmp_path / "hf.tmp" / "todo.txt").read_text() == "mine"
     # A link to an earlier export is followed and stays a link; it used to fail and leave a full temporary copy.
     (tmp_path / "link").symlink_to(out)
