@@ -64,7 +64,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
         with as_resume_error():
             step = read_extra(path)["step"]
         if step >= cfg.train.max_steps:  # starting would only repeat the run's end
-            _refuse_another_run(cfg, path, step)
+            _refuse_another_run(cfg, path)
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
                               "further, raise train.max_steps; to export that checkpoint again: "
@@ -72,7 +72,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
     return path
 
 
-def _refuse_another_run(cfg: Config, path: Path, step: int) -> None:
+def _refuse_another_run(cfg: Config, path: Path) -> None:
     """Raise if the complete run of checkpoint `path` was started with another model, data or seed than `cfg`
     asks for, as it was recorded in its run_dir/config.toml: the start is meant as a new run (say in the
     default run_dir, which the quick start used), not to finish that one."""
