@@ -10,6 +10,7 @@ from pathlib import Path
 from ._checks import check_seed
 from .checkpoint import is_checkpoint
 from .config import FLOAT32_MAX, Config, ConfigError, ModelConfig, as_config_error, settings
+from .export import HF_CONFIG
 from .models import PRESETS, LlamaConfig
 from .partition import balanced_layer_counts, check_layer_counts
 from .schedules import build_schedule
@@ -29,7 +30,7 @@ def num_layers(cfg: Config) -> int:
 
 
 def _hf_config(cfg: Config) -> dict:
-    config_file = Path(cfg.hf_model) / "config.json"
+    config_file = Path(cfg.hf_model) / HF_CONFIG
     if not config_file.is_file():
         raise ConfigError(f"hf_model {cfg.hf_model} has no config.json: give a local Hugging Face model directory")
     try:

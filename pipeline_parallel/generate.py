@@ -13,7 +13,7 @@ from torch import nn
 
 from ._checks import check_int, check_seed, is_utf8
 from .checkpoint import is_checkpoint
-from .export import export_tokenizer, load_full_model
+from .export import HF_CONFIG, export_tokenizer, load_full_model
 from .models import generate
 from .models.families import hf_float32
 from .tokenizer import Tokenizer
@@ -23,7 +23,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     """An exported model directory (config.json + safetensors), or a run / checkpoint directory; with the
     tokenizer it was trained or exported with (another is refused before the model loads)."""
     path = Path(path)
-    if (path / "config.json").is_file() and not is_checkpoint(path):
+    if (path / HF_CONFIG).is_file() and not is_checkpoint(path):
         import transformers
 
         tokenizer = export_tokenizer(path)
