@@ -322,9 +322,10 @@ def generate(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: i
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 scaled = scaled.masked_fill(logits < kth, float("-inf"))
             next_id = torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator)
-        input_ids = torch.cat((input_ids, next_id.masked_fill(ended, eos_id if eos_id is not None else 0)), dim=1)
         if eos_id is not None:
+            next_id = next_id.masked_fill(ended, eos_id)  # a sequence that has ended stays so
             ended |= next_id == eos_id
-            if ended.all():
-                break
+        input_ids = torch.cat((input_ids, next_id), dim=1)
+        if eos_id is not None and ended.all():
+            break
     return input_ids
