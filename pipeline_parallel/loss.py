@@ -36,13 +36,15 @@ class HeadLoss:
     autocast the matmuls take the dtype the head's own call would. Only for a head whose call and
     gradient no one watches (`stage.head_loss_applies`).
 
+    With `need_grad=False` (evaluation) it makes the loss alone, in the same chunks.
+
     The forward takes the tokens a chunk at a time (`_CHUNK_BYTES`), so that of the tokens x vocab
     tensors only the kept gradient exists whole: the logits and their float32 softmax (as large as
     it, and in bfloat16 twice as large), made for all tokens at once, would add two or three times its size.
     """
 
     def __init__(self, hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, scale: float,
-                 scales: ForwardScales):
+                 scales: ForwardScales, need_grad: bool = True):
         self.weight, self.shape, self.dtype = head.weight, hidden.shape, hidden.dtype
         with torch.no_grad():
             tokens, labels = hidden.detach().flatten(0, -2), labels.flatten()
@@ -53,9 +55,11 @@ class HeadLoss:
                 chunk = slice(start, start + rows)
                 logits = F.linear(tokens[chunk], self.weight)  # in autocast's dtype under autocast, as head(hidden)
                 scaled = scales.scale_logits(logits)  # what the family's forward returns (`logits` for most)
-                loss, grad = _loss_and_logits_grad(scaled, labels[chunk], scale)
-                grad = scales.head_grad_(grad, scaled)
+                loss, grad = _loss_and_logits_grad(scaled, labels[chunk], scale, need_grad)
                 self.loss = self.loss + loss
+                if not need_grad:  # evaluation: the loss alone
+                    continue
+                grad = scales.head_grad_(grad, scaled)
                 # The backward's operands in the dtype the forward's matmul took them.
                 if len(starts) == 1:
                     self.grad = grad.to(logits.dtype)
@@ -63,7 +67,7 @@ class HeadLoss:
                     if self.grad is None:
                         self.grad = logits.new_empty(len(tokens), logits.shape[-1])
                     self.grad[chunk] = grad
-            self.tokens = tokens.to(logits.dtype)
+            self.tokens = tokens.to(logits.dtype) if need_grad else None
 
     def input_grad(self) -> torch.Tensor:
         """The gradient of `hidden`."""

@@ -45,10 +45,11 @@ class PipelineStage:
         hooked: set = set()  # nodes of tensors given a gradient hook in this forward
         with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens), \
                 _gradient_hooks_recorded(hooked, training):
-            if self.is_last and training and head_loss_applies(self.parts.lm_head):
+            if self.is_last and head_loss_applies(self.parts.lm_head, training):
                 hidden = self.parts.forward(x, head=False)
-                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales)
-                self._saved[mb] = _Saved(x, hidden, hooked, head)
+                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales, need_grad=training)
+                if training:
+                    self._saved[mb] = _Saved(x, hidden, hooked, head)
                 return head.loss
             out = self.parts.forward(x)
             if self.is_last:
@@ -184,19 +185,24 @@ def sparse_embedding_grad(embedding: torch.nn.Module | None):
         embedding.sparse = False
 
 
-def head_loss_applies(head: torch.nn.Module) -> bool:
-    """Whether `HeadLoss` may stand in for calling `head` and autograd: a plain trainable
-    Linear without bias whose module, weight and gradient no hook watches (a hook would miss
-    the call, or the gradient bypassing autograd's accumulation)."""
+def head_loss_applies(head: torch.nn.Module, training: bool = True) -> bool:
+    """Whether `HeadLoss` may stand in for calling `head` (and, in training, autograd): a plain
+    Linear without bias whose call no hook watches and, in training, whose trainable weight and
+    gradient none watches either (a hook would miss the call, or the gradient bypassing autograd's
+    accumulation)."""
     from torch.nn.modules import module as hooks
 
-    weight = getattr(head, "weight", None)
-    return (type(head) is torch.nn.Linear and head.bias is None and _unwatched_trainable(weight)
+    call_unwatched = (type(head) is torch.nn.Linear and head.bias is None
+                      and not (head._forward_pre_hooks or head._forward_hooks
+                               or hooks._global_forward_pre_hooks or hooks._global_forward_hooks))
+    if not (call_unwatched and training):
+        return call_unwatched
+    weight = head.weight
+    return (_unwatched_trainable(weight)
             and (weight.grad is None or weight.grad.layout == torch.strided)
             and not weight._post_accumulate_grad_hooks
-            and not (head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks or head._backward_hooks)
-            and not (hooks._global_forward_pre_hooks or hooks._global_forward_hooks
-                     or hooks._global_backward_pre_hooks or hooks._global_backward_hooks))
+            and not (head._backward_pre_hooks or head._backward_hooks)
+            and not (hooks._global_backward_pre_hooks or hooks._global_backward_hooks))
 
 
 def _unwatched_trainable(weight) -> bool:

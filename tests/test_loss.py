@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _tensors_made import RowsMade
 from torch import nn
 
 from pipeline_parallel import loss as loss_module
@@ -138,32 +139,22 @@ def test_head_loss_equals_the_head_and_loss_under_autograd(dtype, autocast, tol,
     torch.testing.assert_close(head.weight.grad, want_weight_grad, atol=tol, rtol=tol)
 
 
-def test_head_loss_makes_the_logits_a_chunk_at_a_time(monkeypatch):
+@pytest.mark.parametrize("need_grad", [True, False], ids=["training", "evaluation"])
+def test_head_loss_makes_the_logits_a_chunk_at_a_time(need_grad, monkeypatch):
     """Of the tokens x vocab tensors only the kept gradient is made whole: no other tensor the forward
-    makes holds more than a chunk's rows, so its peak memory is not several times the logits'."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class Made(TorchDispatchMode):
-        rows: list[int] = []  # of each tensor made with a row per token and a column per vocabulary entry
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given \
-                        and t.shape[-1:] == (VOCAB,):  # made, not a view of what it was given
-                    self.rows.append(t.numel() // VOCAB)
-            return out
-
+    makes holds more than a chunk's rows, so its peak memory is not several times the logits'.
+    Evaluation keeps none."""
     monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 4 * 4 * VOCAB)  # 4 tokens at a time
     head = nn.Linear(16, VOCAB, bias=False)
     hidden = torch.randn(3, 7, 16)
     _, labels = _logits_and_labels(torch.float32)
-    with Made() as made:
-        got = HeadLoss(hidden, head, labels, 0.25, ForwardScales(logits=2.5, softcap=0.5))
-    assert got.grad.shape == (21, VOCAB)
-    assert sorted(made.rows)[-2:] == [4, 21]  # a chunk's; the kept gradient
+    with RowsMade(VOCAB) as made:
+        got = HeadLoss(hidden, head, labels, 0.25, ForwardScales(logits=2.5, softcap=0.5), need_grad=need_grad)
+    if need_grad:
+        assert got.grad.shape == (21, VOCAB)
+        assert sorted(made.rows)[-2:] == [4, 21]  # a chunk's; the kept gradient
+    else:
+        assert max(made.rows) == 4
 
 
 def _watched_heads():
@@ -191,10 +182,31 @@ def _watched_heads():
     return cases
 
 
+_SEEN_IN_EVALUATION = {"bias", "subclass", "forward-hook", "forward-pre-hook"}  # what an evaluation's call would see
+
+
 @pytest.mark.parametrize("case", list(_watched_heads()))
 def test_head_loss_stands_aside_where_someone_would_see_it(case):
+    """In training for every watcher; in evaluation (no gradient) only for those of the head's call."""
     assert head_loss_applies(nn.Linear(16, VOCAB, bias=False))
     assert not head_loss_applies(_watched_heads()[case])
+    assert head_loss_applies(_watched_heads()[case], training=False) == (case not in _SEEN_IN_EVALUATION)
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 4], ids=["all-tokens-at-once", "4-token-chunks"])
+def test_head_loss_without_gradient_gives_the_loss_alone(chunk_rows, monkeypatch):
+    """Evaluation's loss, in chunks as in training, equals the head and loss called whole; nothing is kept."""
+    if chunk_rows:
+        monkeypatch.setattr(loss_module, "_CHUNK_BYTES", chunk_rows * 4 * VOCAB)
+    torch.manual_seed(0)
+    head, hidden = nn.Linear(16, VOCAB, bias=False), torch.randn(3, 7, 16)
+    _, labels = _logits_and_labels(torch.float32)
+    scales = ForwardScales(logits=2.5, softcap=0.5)
+    with torch.no_grad():
+        want = loss_sum(scales.scale_logits(head(hidden)), labels) * 0.25
+        got = HeadLoss(hidden, head, labels, 0.25, scales, need_grad=False)
+    torch.testing.assert_close(got.loss, want, atol=1e-6, rtol=1e-6)
+    assert got.grad is None and got.tokens is None and head.weight.grad is None
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])

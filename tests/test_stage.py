@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from _models import build, make_batch
+from _tensors_made import RowsMade
 
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.models.materialize import keep_local_part
@@ -85,6 +86,30 @@ def test_last_stage_runs_its_head_backward_by_hand_unless_a_hook_watches(kind, s
     assert by_hand_weights.keys() == autograd_weights.keys()
     for name, grad in autograd_weights.items():
         torch.testing.assert_close(by_hand_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["own", "llama"])
+def test_last_stage_evaluates_its_head_in_chunks_unless_a_hook_watches_its_call(kind, monkeypatch):
+    """An evaluation's loss comes from `HeadLoss` without gradients (the head's logits a chunk at a time),
+    for a frozen head too; a forward hook on the head gets the head called, and fires. Same loss; nothing kept."""
+    from pipeline_parallel import loss as loss_module
+
+    full_model = build(kind, num_layers=2, seed=3, vocab=70)  # no other tensor 70 wide
+    _, y = make_batch(4, 8, seed=1, num_microbatches=2)
+    hidden = torch.randn(2, 8, full_model.config.hidden_size)
+    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 3 * 4 * full_model.config.vocab_size)  # 3 tokens a chunk
+    losses = []
+    for watched in (False, True):
+        model, stage = _stage(full_model, range(1, 2), 1, 2)
+        model.lm_head.weight.requires_grad_(False)
+        calls = []
+        if watched:
+            model.lm_head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+        with torch.no_grad(), RowsMade(full_model.config.vocab_size) as made:
+            losses.append(stage.forward(0, hidden, y.chunk(2)[0], loss_scale=0.5, training=False))
+        assert len(calls) == watched and not stage._saved
+        assert max(made.rows) == (16 if watched else 3)  # the head's logits whole when its call is watched
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=0)
 
 
 def test_first_stage_has_no_input_gradient_to_split():
