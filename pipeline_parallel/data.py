@@ -123,14 +123,17 @@ class TokenBatches:
     def state_dict(self) -> dict[str, int]:
         """Plain ints (JSON-friendly): the position, and what it is only valid for. Take it between
         optimizer steps: a loaded position starts one, whatever `accum_steps` was."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_sequences": len(self.seqs)}
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_sequences": len(self.seqs),
+                "seq_len": self.seqs.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_sequences"] != len(self.seqs) or state["seed"] != self.seed:
+        # seq_len too: another length may make as many sequences of other tokens (a state without it is older)
+        saved = (state["num_sequences"], state.get("seq_len", self.seqs.seq_len), state["seed"])
+        if saved != (len(self.seqs), self.seqs.seq_len, self.seed):
             raise ValueError(
-                f"loader state is for {state['num_sequences']} sequences with seed {state['seed']}, but this "
-                f"loader has {len(self.seqs)} with seed {self.seed}: resume with the same data, "
-                "tokenizer, max_tokens, seq_len, eval_fraction and seed"
+                "loader state is for {} sequences of {} tokens with seed {}, but this loader has {} of {} with seed "
+                "{}: resume with the same data, tokenizer, max_tokens, seq_len, eval_fraction and seed".format(
+                    *saved, len(self.seqs), self.seqs.seq_len, self.seed)
             )
         self.epoch, self.index, self._drawn = int(state["epoch"]), int(state["index"]), 0
 

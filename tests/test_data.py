@@ -418,7 +418,7 @@ def test_loader_resumes_exactly():
     for _ in range(3):
         next(run)
     state = json.loads(json.dumps(run.state_dict()))
-    assert state == {"epoch": 0, "index": 12, "seed": 7, "num_sequences": 23}
+    assert state == {"epoch": 0, "index": 12, "seed": 7, "num_sequences": 23, "seq_len": 4}
     resumed = D.TokenBatches(table, batch_size=4, seed=7)
     resumed.load_state_dict(state)
     for want in expected[3:]:
@@ -426,6 +426,11 @@ def test_loader_resumes_exactly():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="same data"):
         D.TokenBatches(table, batch_size=4, seed=8).load_state_dict(state)
+    # As many sequences of another length (23 of 3 + 1 tokens) hold other tokens: refused too
+    with pytest.raises(ValueError, match=r"for 23 sequences of 4 tokens with seed 7, but this loader has 23 of 3 "):
+        D.TokenBatches(D.Sequences(np.arange(23 * 4 + 1), seq_len=3), batch_size=4, seed=7).load_state_dict(state)
+    older = {key: value for key, value in state.items() if key != "seq_len"}  # a state saved before it held seq_len
+    D.TokenBatches(table, batch_size=4, seed=7).load_state_dict(older)
 
 
 def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
