@@ -159,16 +159,20 @@ PIECE_CHARS = 1 << 20  # documents are handled in pieces of at most this many ch
 
 
 _BETWEEN_WORDS = re.compile(r"(?<=\S) (?=\S)")  # a space with a word on either side
+_BEFORE_WORD = re.compile(r"\s(?=\S)")  # the last whitespace character before a word
 
 
 def _cut_at(buffer: str, max_chars: int) -> int:
-    """Where a piece of `buffer` ends: before its last space between two words (in its last 4096
-    characters), where byte-level BPE, SentencePiece-style and whitespace pre-tokenizers all end a
-    token, so the pieces tokenize as the whole does; else after its last newline; else at `max_chars`."""
-    spaces = list(_BETWEEN_WORDS.finditer(buffer, max(1, max_chars - 4096), max_chars + 1))
-    if spaces:
-        return spaces[-1].start()
-    return buffer.rfind("\n", 0, max_chars) + 1 or max_chars
+    r"""Where a piece of `buffer` ends, looking in its last 4096 characters: before its last space between
+    two words, where byte-level BPE, SentencePiece-style and whitespace pre-tokenizers all end a token, so
+    the pieces tokenize as the whole does; else before the last whitespace character ahead of a word (a
+    byte-level BPE splits a run of whitespace there, as `\s+(?!\S)` leaves the run's last character to the
+    word or to a token of its own); else at `max_chars`."""
+    for boundary in (_BETWEEN_WORDS, _BEFORE_WORD):
+        found = list(boundary.finditer(buffer, max(1, max_chars - 4096), max_chars + 1))
+        if found:
+            return found[-1].start()
+    return max_chars
 
 
 def _cut(read: Callable[[int], str], max_chars: int) -> Iterator[tuple[str, bool]]:

@@ -25,7 +25,9 @@ CACHE_VERSION = 2  # bump when what a token file holds changes (2: the tokenizer
 # changed (sources.PIECE_CHARS is the million). It is recorded with each cache and checkpoint, so that a resume tells a
 # stream tokenized otherwise from other data, and unlike CACHE_VERSION it leaves cache names alone: a run keeps the
 # stream its checkpoints were trained on.
-STREAM_CHANGES = {3: "cuts a document over a million characters between words and puts no space before its later pieces"}
+STREAM_CHANGES = {3: "cuts a document over a million characters between words and puts no space before its later pieces",
+                  4: "cuts such a document, where a stretch has no space between words, before the whitespace ahead "
+                     "of a word, where it cut after a newline"}
 STREAM_VERSION = max(STREAM_CHANGES)
 
 

@@ -284,6 +284,12 @@ def test_a_long_document_read_in_pieces_gives_the_tokens_of_the_whole(tmp_path, 
     (tmp_path / "long.txt").write_text(text)
     token_cache.write_tokens(S.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "tokens.uint16.bin")
     assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == tok.encode(text) + [tok.eos_id]
+    if kind == "byte-level":  # no space between words anywhere: cut before the whitespace ahead of a word
+        numbers = "".join(f"{n:>10d}\n\n" for n in range(200))
+        tok = train_bpe([numbers], vocab_size=300)  # with merges of line ends and indentation
+        (tmp_path / "numbers.txt").write_text(numbers)
+        token_cache.write_tokens(S.iter_pieces([tmp_path / "numbers.txt"], max_chars=64), tok, tmp_path / "n.bin")
+        assert np.fromfile(tmp_path / "n.bin", dtype=np.uint16).tolist() == tok.encode(numbers) + [tok.eos_id]
 
 
 # --- packing, caching, split ---------------------------------------------------------------------

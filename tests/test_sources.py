@@ -179,8 +179,8 @@ def test_long_documents_come_in_pieces_cut_between_words(tmp_path):
     assert all(len(piece) <= 20 for piece, _ in pieces)
     first = [piece for piece, _ in pieces[: len(pieces) // 2]]
     assert first[:3] == ["line 0\nline 1\nline", " 2\nline 3\nline", " 4\nline 5\nline"]  # before a word's space
-    assert "x" * 20 in first  # no space or newline to cut at: cut at the limit
-    assert "two\n" * 5 in first  # no space between words: after the last newline
+    assert "x" * 20 in first  # no whitespace to cut at: cut at the limit
+    assert "\ntwo" * 4 in first  # no space between words: before the last whitespace ahead of a word
     assert [ends for _, ends in pieces].count(True) == 2
 
 
