@@ -30,8 +30,9 @@ Source = Union[Path, str]  # a local file, or an "hf:..." dataset spec
 def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), skip: Path | None = None) -> list[Path]:
     """Files under root with one of `suffixes`, sorted by relative path; hidden ones, directories
     named in `skip_dirs`, the directory `skip` and training runs' directories skipped. Linked
-    directories are followed, each directory read once (a link back up the tree would loop)."""
-    found = []
+    directories are followed, each directory read once (a link back up the tree would loop), and
+    each file once (the first of its paths), regular files only (a FIFO would block the read)."""
+    found, seen = [], set()
     skip = skip.resolve() if skip is not None else None
     visited = {root.resolve()}
     for parent, dirs, files in os.walk(root, followlinks=True):
@@ -44,7 +45,14 @@ def _walk(root: Path, suffixes: set[str], skip_dirs: frozenset = frozenset(), sk
                 kept.append(d)
         dirs[:] = kept
         found += [Path(parent, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in suffixes]
-    return sorted(found, key=lambda f: f.relative_to(root).as_posix())
+    found.sort(key=lambda f: f.relative_to(root).as_posix())
+    kept = []
+    for path in found:
+        real = path.resolve()
+        if real not in seen and real.is_file():
+            seen.add(real)
+            kept.append(path)
+    return kept
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -128,14 +136,21 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no column {field!r}; set text_field to one of {pf.schema_arrow.names}")
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{path}: column {field!r} holds {type(text).__name__}, not text")
-            yield text or ""
+    import pyarrow
+
+    try:  # errors reading the file name it: a partial download, a damaged or foreign file
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise ValueError(f"{path}: no column {field!r}; set text_field to one of {names}")
+        for batch in pf.iter_batches(columns=[field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"{path}: column {field!r} holds {type(text).__name__}, not text")
+                yield text or ""
+    except (pyarrow.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is no readable Parquet file ({e}); download or write it again, or leave it "
+                         "out of data.path") from None
 
 
 def _hf_documents(spec: str, field: str) -> Iterator[str]:

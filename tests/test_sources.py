@@ -1,6 +1,8 @@
 """Tests for data sources: files, directories, JSONL, Parquet and `datasets` records, long documents in pieces."""
 
 import json
+import os
+import re
 import sys
 import types
 
@@ -68,6 +70,17 @@ def test_directory_is_recursive_sorted_and_skips_hidden_and_unknown(tmp_path):
     (tmp_path / "sub" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (tmp_path / "sub" / "loop").symlink_to(tmp_path, target_is_directory=True)  # read once, not forever
     assert documents(S.expand_sources(tmp_path / "sub")) == ["B", "D", "A", "C"]
+
+
+def test_a_directory_gives_each_file_once_and_regular_files_only(tmp_path):
+    """A file linked under a second name is one document, not two (which could land in training and in the
+    held-out set); a FIFO, which would block the read forever, and a dangling link are no files to read."""
+    (tmp_path / "a.txt").write_text("A")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "a.txt")
+    (tmp_path / "c.txt").symlink_to(tmp_path / "gone.txt")
+    os.mkfifo(tmp_path / "d.txt")
+    (tmp_path / "e.txt").write_text("E")
+    assert S.expand_sources(tmp_path) == [tmp_path / "a.txt", tmp_path / "e.txt"]
 
 
 def test_a_run_directory_inside_the_data_directory_is_not_data(tmp_path):
@@ -143,6 +156,25 @@ def test_parquet(tmp_path):
     assert documents(S.expand_sources(tmp_path), text_field="content") == ["one", "two"]
     with pytest.raises(ValueError, match="no column 'text'"):
         documents(S.expand_sources(tmp_path))
+
+
+def test_a_damaged_parquet_file_is_named(tmp_path):
+    """A partial download (cut short) or a file damaged inside stops the run with an error naming the file."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"document {i} " * 50 for i in range(200)]}), tmp_path / "a.parquet",
+                   compression="snappy")
+    whole = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(whole[:3000])
+    damaged = bytearray(whole)
+    damaged[100:400] = bytes(300)
+    (tmp_path / "c.parquet").write_bytes(bytes(damaged))
+    assert len(documents([tmp_path / "a.parquet"])) == 200
+    for name in ("b.parquet", "c.parquet"):
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / name))} is no readable Parquet file \(.+\); "
+                                             "download or write it again, or leave it out of data.path$"):
+            documents([tmp_path / name])
 
 
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
