@@ -11,13 +11,17 @@ from .config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `model`'s parameters (one stage's); matrices decay, vectors (norms, biases) do not.
+    """AdamW over `model`'s parameters (one stage's); matrices decay, vectors (norms, biases) and biases
+    of any shape (an MoE's per-expert biases, as gpt_oss has) do not.
 
-    The group a parameter falls in depends only on its shape, so every pipeline split builds the
-    same groups and optimizer state keyed by parameter name loads across splits.
+    The group a parameter falls in depends only on its shape and its name in the whole model, so
+    every pipeline split builds the same groups and optimizer state keyed by parameter name loads
+    across splits.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    decays = [p.dim() >= 2 and not name.endswith("bias") for name, p in params]
+    groups = [{"params": [p for (_, p), d in zip(params, decays) if d]},
+              {"params": [p for (_, p), d in zip(params, decays) if not d]}]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
     set_hyperparameters(optimizer, cfg)
     return optimizer

@@ -551,6 +551,23 @@ def test_ranks_wait_for_long_data_preparation_and_export(corpus, tmp_path):
     assert (tmp_path / "slow" / "export" / "model.safetensors").is_file()
 
 
+def test_weight_decay_takes_matrices_and_leaves_norms_and_biases_of_any_shape():
+    """gpt_oss's per-expert biases are matrices by shape ([experts, width]) and were decayed like weights."""
+    from pipeline_parallel.config import OptimConfig
+    from pipeline_parallel.optim import build_optimizer
+
+    experts = torch.nn.Module()
+    experts.gate_up_proj = torch.nn.Parameter(torch.ones(4, 8, 16))
+    experts.gate_up_proj_bias = torch.nn.Parameter(torch.ones(4, 16))
+    model = torch.nn.ModuleDict({"experts": experts, "proj": torch.nn.Linear(8, 8), "norm": torch.nn.LayerNorm(8)})
+    model.proj.weight.requires_grad_(False)
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.5))
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = [(group["weight_decay"], sorted(names[id(p)] for p in group["params"])) for group in optimizer.param_groups]
+    assert groups == [(0.5, ["experts.gate_up_proj"]),
+                      (0.0, ["experts.gate_up_proj_bias", "norm.bias", "norm.weight", "proj.bias"])]
+
+
 def test_resume_uses_the_configured_optimizer_settings(runs, corpus):
     changed = {"optim.weight_decay": 0.0, "optim.beta1": 0.5, "optim.eps": 1e-3}
     trainer = Trainer(make_cfg(runs[0], corpus, **changed, **_MORE_STEPS))  # resumes at step 6 (saved on 2 ranks)
