@@ -230,11 +230,18 @@ def _get(cfg: Config, key: str):
 
 
 def apply(cfg: Config, changes: dict[str, object], where: str, from_text: bool = False) -> Config:
-    """Set dotted keys of `cfg` in place, from typed values (TOML) or text (the command line)."""
-    for key, value in changes.items():
-        key = key.replace("-", "_")
+    """Set dotted keys of `cfg` in place, from typed values (TOML) or text (the command line).
+
+    A key may be spelled with `-` for `_`; one file giving a key under both spellings is an error, as
+    TOML makes a key given twice (on the command line the later one wins, as any repeated option)."""
+    spelled: dict[str, str] = {}
+    for given, value in changes.items():
+        key = given.replace("-", "_")
         if key not in KEYS:
             raise _unknown(key, where)
+        if not from_text and key in spelled:
+            raise ConfigError(f"{where} sets {key} twice, as {spelled[key]} and as {given}: keep one")
+        spelled[key] = given
         setattr(*_owner(cfg, key), _convert(key, value, from_text))
     return cfg
 

@@ -15,6 +15,8 @@ from .models import PRESETS, LlamaConfig
 from .partition import balanced_layer_counts, check_layer_counts
 from .schedules import build_schedule
 
+_MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
+
 
 def num_layers(cfg: Config) -> int:
     """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
@@ -85,13 +87,16 @@ def validate(cfg: Config, world_size: int) -> None:
                 "checkpoint.keep_last", "data.max_tokens", "export.sample_tokens", "export.temperature",
                 "export.top_k", "num_threads"):
         check(values[key] >= 0, f"{key} must be >= 0, got {values[key]}")
+    check(cfg.num_threads <= _MAX_THREADS, f"num_threads {cfg.num_threads} is more than torch can set "
+          f"(at most {_MAX_THREADS}; 0 gives each rank the node's cores / its ranks)")
     check(o.lr > 0 and o.min_lr <= o.lr, f"need 0 < optim.lr and optim.min_lr <= optim.lr, got {o.lr}, {o.min_lr}")
     check(o.lr_decay_steps == 0 or o.lr_decay_steps > o.warmup_steps,
           f"optim.lr_decay_steps {o.lr_decay_steps} must come after optim.warmup_steps {o.warmup_steps} "
           "(the cosine decays from the end of the warmup), or be 0 to decay until train.max_steps")
     check(o.lr_decay_steps > 0 or t.max_steps > o.warmup_steps,
           f"train.max_steps {t.max_steps} ends within optim.warmup_steps {o.warmup_steps}: the learning rate would "
-          f"never reach optim.lr nor decay to optim.min_lr; set optim.warmup_steps below {t.max_steps} (0: none)")
+          f"reach optim.lr at the last step at best and never decay to optim.min_lr; set optim.warmup_steps below "
+          f"{t.max_steps} (0: none)")
     check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1 and o.eps > 0, "need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0")
     check(o.lr <= FLOAT32_MAX * (1 - o.beta1), f"optim.lr {o.lr} is too large: AdamW's first step moves by up to "
           f"lr / (1 - optim.beta1) = {o.lr / (1 - o.beta1):.3g}, beyond float32's range")

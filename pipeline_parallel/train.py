@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     prints it. Ctrl-C and SIGTERM, which torchrun hands on to every rank, end the run with exit code
     128 + the signal's number, as a shell reports a process the signal ended.
     """
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", 0)) if world_size() > 1 else 0  # alone, it speaks (a stray RANK aside)
     try:
         cfg = parse_args(argv)
     except ConfigError as e:

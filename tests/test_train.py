@@ -89,6 +89,12 @@ def test_config_errors(tmp_path, corpus):
         load_config(toml)
     with pytest.raises(ConfigError, match="did you mean optim.lr"):
         parse_args(["--optim.lrr", "1e-3"])
+    # A key spelled both ways in one file: TOML takes them for two keys, and the later silently won.
+    toml.write_text("[optim]\ngrad_clip = 0.5\ngrad-clip = 2.0\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(toml))} sets optim.grad_clip twice, as optim.grad_clip "
+                                          r"and as optim.grad-clip: keep one$"):
+        load_config(toml)
+    assert parse_args(["--optim.grad_clip", "0.5", "--optim.grad-clip", "2"]).optim.grad_clip == 2.0  # the later
     with pytest.raises(ConfigError, match="must be int"):
         parse_args(["--train.batch_size", "eight"])
     # An infinite lr or eps passed the range checks: the first turned the weights to NaN in the first update,
@@ -116,8 +122,8 @@ def test_config_errors(tmp_path, corpus):
         validate(with_overrides(cfg, **{"train.max_steps": 0}), 1)
     # The default decay ends at max_steps: a run shorter than its warmup never reached the lr, nor min_lr.
     with pytest.raises(ConfigError, match=r"train.max_steps 2 ends within optim.warmup_steps 2: the learning rate "
-                                          r"would never reach optim.lr nor decay to optim.min_lr; set "
-                                          r"optim.warmup_steps below 2 \(0: none\)"):
+                                          r"would reach optim.lr at the last step at best and never decay to "
+                                          r"optim.min_lr; set optim.warmup_steps below 2 \(0: none\)"):
         validate(with_overrides(cfg, **{"train.max_steps": 2, "optim.lr_decay_steps": 0}), 1)
     validate(with_overrides(cfg, **{"train.max_steps": 3, "optim.lr_decay_steps": 0}), 1)
     # A model smaller than the tokenizer: up front when the run trains the tokenizer, else once it is read.
@@ -135,6 +141,8 @@ def test_config_errors(tmp_path, corpus):
                                 ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after"),
                                 ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
                                 ("seed", 2**64, r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
+                                ("num_threads", 2**31, r"num_threads 2147483648 is more than torch can set \(at most "
+                                                       r"2147483647; 0 gives each rank the node's cores / its ranks\)"),
                                 ("run_dir", " ", "run_dir is empty")):  # it wrote the run into the current directory
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
@@ -287,6 +295,11 @@ def test_main_reports_config_errors(capsys, tmp_path, monkeypatch):
     failure = ProcessFailure(local_rank=1, pid=0, exitcode=2, error_file=str(tmp_path / "error.json"))
     report = ChildFailedError("pipeline_parallel.train", {1: failure}).format_msg()
     assert f"traceback : {said}" in report, report
+    # Alone (no WORLD_SIZE), a process speaks whatever RANK a shell left set: it exited 2 saying nothing.
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        main(["--train.batch_size", "6"])
+    assert capsys.readouterr().err.startswith("error: train.batch_size 6 is not divisible")
 
 
 def test_a_stop_signal_while_failing_reports_the_failure(monkeypatch, capsys, terminal_signals):
