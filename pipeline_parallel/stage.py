@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,20 +42,20 @@ class PipelineStage:
         if not self.is_first and training:
             x = x.detach().requires_grad_()
         # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
-        hooked: set = set()  # nodes of tensors given a gradient hook in this forward
+        seen = _ForwardSeen()  # what a split backward must know of this forward
         with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens), \
-                _gradient_hooks_recorded(hooked, training):
+                _forward_watched(seen, training):
             if self.is_last and head_loss_applies(self.parts.lm_head, training):
                 hidden = self.parts.forward(x, head=False)
                 head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales, need_grad=training)
                 if training:
-                    self._saved[mb] = _Saved(x, hidden, hooked, head)
+                    self._saved[mb] = _Saved(x, hidden, seen, head)
                 return head.loss
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
         if training:
-            self._saved[mb] = _Saved(x, out, hooked)
+            self._saved[mb] = _Saved(x, out, seen)
         return out.detach()
 
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,7 +77,7 @@ class PipelineStage:
         saved = self._saved.pop(mb)
         weight_pass = _WeightPass(self.parts.parameters())
         self._pending_weights[mb] = (weight_pass, saved.head)
-        return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output), saved.hooked)
+        return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output), saved.seen)
 
     def backward_weight(self, mb: int) -> None:
         """Accumulate the weight grads of microbatch `mb`, whose `backward_input` has run."""
@@ -109,7 +109,7 @@ class _Saved:
 
     x: torch.Tensor
     out: torch.Tensor
-    hooked: set  # autograd nodes of tensors given a gradient hook in the forward (`_gradient_hooks_recorded`)
+    seen: _ForwardSeen
     head: HeadLoss | None = None
 
     def grad_output(self, received: torch.Tensor | None) -> torch.Tensor | None:
@@ -126,31 +126,50 @@ def inference_mode_error() -> str | None:
     return None
 
 
+@dataclass
+class _ForwardSeen:
+    """What a forward did that a split backward must know and the graph does not show (`_WeightPass`)."""
+
+    hooked: set = field(default_factory=set)  # nodes of tensors given a gradient hook or retain_grad()
+    # Saved tensors went through hooks (non-reentrant activation checkpointing, offloading), which run
+    # again in every backward call: a checkpointed layer would recompute its forward for each weight group.
+    saved_tensor_hooks: bool = False
+
+
 @contextlib.contextmanager
-def _gradient_hooks_recorded(nodes: set, enabled: bool = True):
+def _forward_watched(seen: _ForwardSeen, enabled: bool = True):
     """Within: the autograd node of every tensor given a gradient hook (`register_hook`) or
-    `retain_grad()` is added to `nodes`, so that a split backward can tell where autograd would run
-    them twice (`_WeightPass`). Sees what the forward registers (a module's forward hook, a layer's
-    own code), by wrapping the two `torch.Tensor` methods until the end."""
+    `retain_grad()` is added to `seen.hooked`, and saved-tensor hooks in use (entered within, as
+    non-reentrant checkpointing does, or already around) set `seen.saved_tensor_hooks`. Sees what the
+    forward does (a module's forward hook, a layer's own code) by wrapping the `torch.Tensor` and
+    `saved_tensors_hooks` methods until the end."""
     if not enabled:
         yield
         return
+    seen.saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     names = ("register_hook", "retain_grad")
     own = {name: torch.Tensor.__dict__.get(name) for name in names}  # retain_grad is TensorBase's
     inherited = {name: getattr(torch.Tensor, name) for name in names}
+    enter = torch.autograd.graph.saved_tensors_hooks.__enter__
 
     def recording(name):
         def method(tensor, *args, **kwargs):
             if tensor.grad_fn is not None:
-                nodes.add(tensor.grad_fn)
+                seen.hooked.add(tensor.grad_fn)
             return inherited[name](tensor, *args, **kwargs)
         return method
 
+    def entering(hooks):
+        seen.saved_tensor_hooks = True
+        return enter(hooks)
+
     for name in names:
         setattr(torch.Tensor, name, recording(name))
+    torch.autograd.graph.saved_tensors_hooks.__enter__ = entering
     try:
         yield
     finally:
+        torch.autograd.graph.saved_tensors_hooks.__enter__ = enter
         for name in names:
             if own[name] is None:
                 delattr(torch.Tensor, name)
@@ -226,7 +245,9 @@ class _WeightPass:
     and their hooks with them. Uses side by side, such as the experts of a fused MoE weight, split.
     Nor is it split where a tensor's gradient hook (or `retain_grad`) sits on a node where a parameter
     meets the activations (a hook on a norm's output): autograd runs it when the node runs, so it
-    would run again, on what it already changed, when the weight pass restarts autograd there.
+    would run again, on what it already changed, when the weight pass restarts autograd there; nor
+    where saved tensors went through hooks, which every backward call runs again (non-reentrant
+    checkpointing would recompute a layer's forward, and fire its hooks, once per weight group).
     """
 
     def __init__(self, params: list[torch.nn.Parameter]):
@@ -235,11 +256,12 @@ class _WeightPass:
         self.groups: list[tuple[set, list]] = []  # nodes, and the gradient edges of the parameters they reach
 
     def input_grad(self, out: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None,
-                   hooked: set = frozenset()) -> torch.Tensor:
+                   seen: _ForwardSeen | None = None) -> torch.Tensor:
         """The gradient of `x`, keeping what `run` needs to make the parameters' gradients later;
-        `hooked` holds nodes with gradient hooks of their tensors (see `_gradient_hooks_recorded`)."""
-        self.groups = _weight_groups(out, x, self.params)
-        if any(nodes & hooked for nodes, _ in self.groups):
+        `seen` is what the forward did beyond the graph (`_forward_watched`)."""
+        seen = seen or _ForwardSeen()
+        self.groups = [] if seen.saved_tensor_hooks else _weight_groups(out, x, self.params)
+        if any(nodes & seen.hooked for nodes, _ in self.groups):
             self.groups = []
         if not self.groups:
             torch.autograd.backward(out, grad_output)

@@ -135,3 +135,11 @@ def assert_grads_close(got: dict, expected: dict, names, atol=1e-5, what=""):
     assert not missing, f"{what}: no gradient for {missing}"
     for name in sorted(names):
         torch.testing.assert_close(got[name], expected[name], atol=atol, rtol=0, msg=lambda m: f"{what} {name}: {m}")
+
+
+def enable_checkpointing(model, reentrant: bool) -> None:
+    """A Hugging Face model's activation checkpointing, by the name of the installed transformers (renamed in 5.24)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from _dist import run_distributed
-from _models import (assert_grads_close, build, full_loss, grads, layer_ranges, make_batch, reference_step,
-                     stage_names)
+from _models import (assert_grads_close, build, enable_checkpointing, full_loss, grads, layer_ranges, make_batch,
+                     reference_step, stage_names)
 
 import pipeline_parallel as pp
 from pipeline_parallel.models.decoder import DecoderParts
@@ -138,11 +138,8 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
     """What one rank observes running `case`: names, losses, gradients, clipping, evaluation."""
     try:
         model = _build(case, case.meta)
-        if case.reentrant_checkpointing:  # renamed in transformers 5.24
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        if case.reentrant_checkpointing:
+            enable_checkpointing(model, reentrant=True)
         counts = list(case.layer_counts) if case.layer_counts else None
         pipe = pp.Pipeline(model, schedule=case.schedule, num_microbatches=case.m, layer_counts=counts,
                            device="cpu", seed=7, group=group, split=case.split,

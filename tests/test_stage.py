@@ -1,10 +1,11 @@
 """PipelineStage: a backward split into input gradient and weight gradients equals the full backward. No processes."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
-from _models import build, make_batch
+from _models import build, enable_checkpointing, make_batch
 from _tensors_made import RowsMade
 
 from pipeline_parallel.models.decoder import DecoderParts
@@ -217,6 +218,40 @@ def test_split_backward_with_a_gradient_hook_where_a_weight_meets_the_activation
     torch.testing.assert_close(split_seen[0], whole_seen[0])
     assert torch.Tensor.register_hook.__qualname__ == "Tensor.register_hook", "the methods are put back"
     assert "retain_grad" not in torch.Tensor.__dict__
+
+
+@pytest.mark.parametrize("saving", ["checkpointing", "offloading"])
+def test_split_backward_with_saved_tensor_hooks_runs_whole(saving):
+    """Non-reentrant activation checkpointing recomputes a layer's forward in every backward call: the
+    weight pass, one call per weight group, recomputed it (and fired its hooks) about ten times per
+    microbatch. Saved-tensor hooks around the forward (offloading to the CPU) run again in every call too.
+    Either way the backward runs whole, with the gradients and hook calls of a whole one."""
+    full_model = build("llama", num_layers=3, seed=3)
+    hidden, grad_out = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    results = []
+    for split in (False, True):
+        model, stage = _stage(full_model, range(1, 2), 1, 3)
+        model.train()
+        if saving == "checkpointing":
+            enable_checkpointing(model, reentrant=False)
+        calls = []
+        model.model.layers["1"].mlp.up_proj.register_forward_hook(lambda module, args, out: calls.append(1))
+        around = torch.autograd.graph.save_on_cpu() if saving == "offloading" else contextlib.nullcontext()
+        with around:
+            stage.forward(0, hidden)
+        if split:
+            input_grad = stage.backward_input(0, grad_out)
+            assert all(p.grad is not None for p in model.parameters()), "the whole backward ran in the first pass"
+            stage.backward_weight(0)
+        else:
+            input_grad = stage.backward(0, grad_out)
+        results.append((input_grad, {n: p.grad for n, p in model.named_parameters()}, len(calls)))
+    (whole_input, whole_weights, whole_calls), (split_input, split_weights, split_calls) = results
+    torch.testing.assert_close(split_input, whole_input, atol=1e-6, rtol=0)
+    for name, grad in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], grad, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert split_calls == whole_calls == (2 if saving == "checkpointing" else 1)
+    assert torch.autograd.graph.saved_tensors_hooks.__enter__.__qualname__ == "saved_tensors_hooks.__enter__"
 
 
 def test_split_backward_accumulates_through_the_parameters_hooks():
