@@ -127,13 +127,15 @@ class TokenBatches:
                 "seq_len": self.seqs.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        # seq_len too: another length may make as many sequences of other tokens (a state without it is older)
-        saved = (state["num_sequences"], state.get("seq_len", self.seqs.seq_len), state["seed"])
-        if saved != (len(self.seqs), self.seqs.seq_len, self.seed):
+        # seq_len too: another length may make as many sequences of other tokens
+        seq_len = state.get("seq_len")  # None: a state saved before it was recorded
+        same_length = seq_len in (None, self.seqs.seq_len)
+        if not same_length or (state["num_sequences"], state["seed"]) != (len(self.seqs), self.seed):
+            then, now = (f" of {seq_len} tokens", f" of {self.seqs.seq_len}") if seq_len is not None else ("", "")
             raise ValueError(
-                "loader state is for {} sequences of {} tokens with seed {}, but this loader has {} of {} with seed "
-                "{}: resume with the same data, tokenizer, max_tokens, seq_len, eval_fraction and seed".format(
-                    *saved, len(self.seqs), self.seqs.seq_len, self.seed)
+                f"loader state is for {state['num_sequences']} sequences{then} with seed {state['seed']}, but this "
+                f"loader has {len(self.seqs)}{now} with seed {self.seed}: resume with the same data, tokenizer, "
+                "max_tokens, seq_len, eval_fraction and seed"
             )
         self.epoch, self.index, self._drawn = int(state["epoch"]), int(state["index"]), 0
 

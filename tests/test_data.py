@@ -437,6 +437,8 @@ def test_loader_resumes_exactly():
         D.TokenBatches(D.Sequences(np.arange(23 * 4 + 1), seq_len=3), batch_size=4, seed=7).load_state_dict(state)
     older = {key: value for key, value in state.items() if key != "seq_len"}  # a state saved before it held seq_len
     D.TokenBatches(table, batch_size=4, seed=7).load_state_dict(older)
+    with pytest.raises(ValueError, match=r"for 23 sequences with seed 7, but this loader has 22 with seed 7: "):
+        D.TokenBatches(table[:22], batch_size=4, seed=7).load_state_dict(older)  # no length it cannot know
 
 
 def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
