@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -63,18 +64,31 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
-    """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved, of `step`) among them.
+    """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved, of `step`) among them:
+    those of a run this one abandoned first (`_abandoned`), then the least recently saved."""
+    newest = _save_order(final)
 
-    A step later than this one belongs to a run this one abandoned by resuming from an older
-    step: those go first, then the least recently saved.
-    """
     def abandoned_first(path: Path) -> tuple:
         order = _save_order(path)  # (save number, step)
-        return order[1] < step, order
+        return not _abandoned(order, newest), order
 
     older = sorted((p for p in _step_dirs(ckpt_dir) if p != final), key=abandoned_first)
     for path in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _abandoned(order: tuple[int, int], by: tuple[int, int]) -> bool:
+    """Whether the checkpoint saved as `order` (save number, step) belongs to a run that the one which saved `by`
+    abandoned by resuming from an older step: a later step, saved before it."""
+    return order[1] > by[1] and order[0] < by[0]
+
+
+def published(path: Path) -> Path:
+    """Where checkpoint `path` is now: one a crashed re-save left at step_N.old is step_N again once a later save
+    has cleared the leftovers (`clear_leftovers`)."""
+    if _STEP_DIR.match(path.name)[2] and not path.exists() and path.with_suffix("").exists():
+        return path.with_suffix("")
+    return path
 
 
 def _missing_parts(path: Path) -> list[str]:
@@ -127,13 +141,16 @@ class _Unsealed(ValueError):
 
 def _meta(path: Path) -> dict:
     """A checkpoint's meta.json: format, step, world size, save number, the caller's `extra`; a ValueError if
-    it is not JSON, or changed since it was saved (checkpoints saved before the seal are taken as they are)."""
+    it is not JSON, or changed since it was saved (checkpoints saved before the seal are taken as they are, if
+    they hold what a checkpoint's does)."""
     meta = json.loads((path / META).read_text())
     if isinstance(meta, dict) and _SEAL in meta:
         content = {key: value for key, value in meta.items() if key != _SEAL}
         if meta[_SEAL] != _digest(content):
             raise _Unsealed(f"its {META} changed since it was saved (its {_SEAL} is not that of its content)")
         return content
+    if not (isinstance(meta, dict) and {"format_version", "step", "extra"} <= meta.keys()):
+        raise _Unsealed(f"its {META} is not a checkpoint's (it holds no format_version, step and extra)")
     return meta
 
 
@@ -154,7 +171,11 @@ def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckp
     """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
     is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where the
     ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
-    others = sorted((p for p in _step_dirs(path.parent) if p != path), key=_save_order, reverse=True)
+    # Not one of a run abandoned for this one's: the run went on from an earlier step. A meta.json that cannot be
+    # read counts as the newest save's, as that of the checkpoint a run resumes from mostly is.
+    own = _save_order(path, unreadable=math.inf)
+    others = sorted((p for p in _step_dirs(path.parent) if p != path and not _abandoned(_save_order(p), own)),
+                    key=_save_order, reverse=True)
     if comm is None:
         return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
     others = comm.all_gather_object(others)[0]
@@ -178,15 +199,15 @@ def _intact(path: Path, comm: PipeComm) -> bool:
     return not file_problems(path, comm)
 
 
-def _save_order(path: Path) -> tuple[int, int]:
+def _save_order(path: Path, unreadable: float = -1) -> tuple[float, int]:
     """(save number, step) of a published checkpoint, to sort by when it was saved. Checkpoints from
-    before save numbers (-1) count as older than any numbered one, in step order among themselves."""
-    try:  # not read_meta: its error names another checkpoint, found by this order
-        meta = _meta(path)
-    except (OSError, ValueError):
-        meta = {}
-    order = meta.get("save_order", -1) if isinstance(meta, dict) else -1
+    before save numbers (-1) count as older than any numbered one, in step order among themselves;
+    one whose meta.json cannot be read as `unreadable`."""
     step = int(_STEP_DIR.match(path.name)[1])
+    try:  # not read_meta: its error names another checkpoint, found by this order
+        order = _meta(path).get("save_order", -1)
+    except (OSError, ValueError):
+        return (unreadable, step)
     return (order if isinstance(order, int) else -1, step)
 
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -195,9 +196,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         tmp.mkdir()
 
     def publish() -> None:
-        order = next_save_order(ckpt_dir)
-        atomic_write(tmp / META, meta_text({**meta, "save_order": order, "files": files}))
-        commit(tmp, final)
+        try:
+            order = next_save_order(ckpt_dir)
+            atomic_write(tmp / META, meta_text({**meta, "save_order": order, "files": files}))
+            commit(tmp, final)
+        except Exception:  # not published (else tmp is gone): what was written of it goes
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     _on_rank0(prepare, comm, f"create {tmp}")  # before anyone writes into it
 
@@ -209,7 +214,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
     try:
         with _quiet_if_single_process():
             dcp.save(state, storage_writer=writer, process_group=group)
-    except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
+    except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures, once all have stopped writing
+        if rank == 0:  # what was written of it goes: a run restarted on a full disk must find the room it took
+            shutil.rmtree(tmp, ignore_errors=True)
         _raise_interruption(e)
         failed, (first, _) = next(iter(e.failures.items()))
         raise OSError(f"could not write {tmp} (rank {failed}: {type(first).__name__}: {first}); the previous "

@@ -26,7 +26,7 @@ def run(cfg: Config) -> list[dict]:
     except BaseException as error:  # for the stop's message: run_dir's newest may be a checkpoint this run abandoned
         stop = _stop_behind(error)
         if stop is not None:
-            stop.checkpoint, stop.trained = trainer.checkpoint, trainer.trained
+            stop.checkpoint, stop.trained = trainer.last_checkpoint, trainer.trained
         raise
 
 

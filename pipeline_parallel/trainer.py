@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from ._files import atomic_write, room_note
 from .batch import differences
+from ._checkpoint_dirs import published
 from .checkpoint import load_checkpoint, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
@@ -266,9 +267,14 @@ class Trainer:
                 break
         return total / count
 
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The checkpoint this run resumed from or saved last, where it is now (see `published`)."""
+        return published(self.checkpoint) if self.checkpoint else None
+
     def _diverged(self, what: str) -> TrainingDiverged:
         """`what` went wrong, and how to go on: from the last checkpoint, with settings that train more gently."""
-        then = f"resume from the last checkpoint, {self.checkpoint}," if self.checkpoint else "start again"
+        then = f"resume from the last checkpoint, {self.last_checkpoint}," if self.checkpoint else "start again"
         remedies = ["a lower optim.lr", "more optim.warmup_steps",
                     "a lower optim.grad_clip" if self.cfg.optim.grad_clip else "optim.grad_clip = 1.0"]
         if self.cfg.train.dtype != "fp32":
@@ -302,7 +308,7 @@ class Trainer:
 
     def _not_saved(self, why: Exception) -> CheckpointNotSaved:
         """This step's checkpoint could not be written (`why`): how much room is left, and where to go on from."""
-        then = f"resume from {self.checkpoint}" if self.checkpoint else "start again"
+        then = f"resume from {self.last_checkpoint}" if self.checkpoint else "start again"
         return CheckpointNotSaved(f"step {self.step}: {why}{room_note(self.run_dir)}; make room or fix the directory, "
                                   f"then {then}")
 

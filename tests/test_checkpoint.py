@@ -158,7 +158,7 @@ def _crash_worker(rank, world_size, run_dir):
         ckpt.commit = crash  # rank 0 dies between the writes and the rename
     with pytest.raises((OSError, RuntimeError), match="simulated crash|rank 0 failed"):
         save_checkpoint(run_dir, 2, model, opt, {"step": 2}, keep_last=5)
-    assert (run_dir / "checkpoints" / "step_000002.tmp").is_dir()
+    assert not (run_dir / "checkpoints" / "step_000002.tmp").exists()  # an error (not a kill) leaves nothing of it
     assert not (run_dir / "checkpoints" / "step_000002").exists()
     assert latest_checkpoint(run_dir) == first
     fresh = make_stage(rank, world_size, seed=1)
@@ -170,6 +170,7 @@ def _crash_worker(rank, world_size, run_dir):
     with pytest.raises(BaseException, match="ZeroDivisionError|division by zero"):
         save_checkpoint(run_dir, 3, model, opt, {"step": 3}, keep_last=5)
     assert latest_checkpoint(run_dir) == first
+    assert rank != 0 or not (run_dir / "checkpoints" / "step_000003.tmp").exists()  # rank 0 removes what was written
     return True
 
 
@@ -231,7 +232,9 @@ def test_round_trip_restores_rng_and_extra(tmp_path):
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     assert run_distributed(_crash_worker, 2, str(tmp_path)) == [True, True]
-    # the next save (single process, no torch.distributed) clears the leftovers
+    # the next save (single process, no torch.distributed) clears the leftovers of a save killed midway
+    (tmp_path / "checkpoints" / "step_000003.tmp").mkdir()
+    (tmp_path / "checkpoints" / "step_000003.tmp" / "__0_0.distcp").write_bytes(b"half")
     model = make_stage(0, 1)
     save_checkpoint(tmp_path, 4, model, train(model), {"step": 4}, keep_last=5)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -306,6 +309,64 @@ def test_crash_while_resaving_a_step_keeps_that_step(tmp_path, monkeypatch):
     assert load_checkpoint(ckpt_dir / "step_000002", model, opt) == {"step": 2}
 
 
+def test_a_crashed_resave_is_named_where_the_next_save_put_it_back(tmp_path, monkeypatch):
+    """Resumed from step_N.old (a re-save crashed between its renames), a run's next save puts it back at step_N: the
+    messages that name the checkpoint to resume from named the .old directory, which was gone."""
+    model, opt = make_stage(0, 1), None
+    save_checkpoint(tmp_path, 2, model, opt, {"step": 2}, keep_last=0)
+    ckpt_dir = tmp_path / "checkpoints"
+    os.replace(ckpt_dir / "step_000002", ckpt_dir / "step_000002.old")
+    resumed = latest_checkpoint(tmp_path)
+    assert resumed == ckpt_dir / "step_000002.old" and ckpt_dirs.published(resumed) == resumed
+    save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last=0)  # its preparation puts step 2 back
+    assert ckpt_dirs.published(resumed) == ckpt_dir / "step_000002"
+
+
+@pytest.mark.parametrize("fails", ["writing", "publishing"])
+def test_a_failed_save_leaves_nothing_of_itself(tmp_path, monkeypatch, fails):
+    """On a full disk the half-written save stayed, and a restart (whose first write is the run's settings) failed for
+    want of the room it took."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    save_checkpoint(tmp_path, 1, model, opt, {"step": 1}, keep_last=0)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if fails == "writing":
+        monkeypatch.setattr(ckpt.RecordingWriter, "write_data", full)
+    else:
+        monkeypatch.setattr(ckpt, "atomic_write", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint(tmp_path, 2, model, opt, {"step": 2}, keep_last=0)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
+def test_a_damaged_checkpoint_names_none_of_the_run_it_went_on_from_an_older_step_of(tmp_path):
+    """Steps 2, 4 and 6 saved, then resumed from step 2 and saved 3, which is damaged: the advice named step 6, of
+    the run abandoned, where step 2 is the one this run went on from."""
+    model = make_stage(0, 1)
+    for step in (2, 4, 6, 3):
+        save_checkpoint(tmp_path, step, model, None, {"step": step}, keep_last=0)
+    path = tmp_path / "checkpoints" / "step_000003"
+    (path / "meta.json").write_text((path / "meta.json").read_text().replace('"step": 3', '"step": 5'))
+    with pytest.raises(ValueError, match=r"step_000003 is damaged .*; use an earlier one, such as .*step_000002$"):
+        read_extra(path)
+
+
+@pytest.mark.parametrize("meta", ["{}", "[]", "null", '{"step": 1}'])
+def test_a_meta_json_that_is_json_but_no_checkpoints_is_damage(tmp_path, meta):
+    """Taken for one saved before the seal, it stopped with a KeyError or TypeError and a traceback."""
+    model = make_stage(0, 1)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, None, {"step": step}, keep_last=0)
+    path = tmp_path / "checkpoints" / "step_000002"
+    (path / "meta.json").write_text(meta)
+    with pytest.raises(ValueError, match=r"step_000002 is damaged \(its meta.json is not a checkpoint's \(it holds no "
+                                         r"format_version, step and extra\)\); use an earlier one, such as .*step_000001"):
+        read_extra(path)
+
+
 def _interrupted_on_one_rank_worker(rank, world_size, run_dir):
     """Step 1 saved; then Ctrl-C lands inside DCP on rank 1, while it saves step 2 and while it loads step 1
     (DCP catches it as that rank's failure and gathers it to all): what each rank raised, and whether step 1
@@ -347,7 +408,7 @@ def test_a_stop_signal_inside_a_save_or_load_is_the_stop_on_every_rank(tmp_path)
     survive the way between ranks (it did not unpickle)."""
     for raised, same, names in run_distributed(_interrupted_on_one_rank_worker, 2, str(tmp_path)):
         assert raised == {"save": ("Interrupted", signal.SIGINT), "load": ("Interrupted", signal.SIGINT)}
-        assert same and names == ["latest", "step_000001", "step_000002.tmp"]  # the next save clears the .tmp
+        assert same and names == ["latest", "step_000001"]  # nothing of the stopped save is left
 
 
 def test_tied_embeddings_load_untied(tmp_path):
