@@ -63,8 +63,8 @@ def commit(tmp: Path, final: Path) -> None:
     atomic_write(final.parent / LATEST, final.name + "\n")
 
 
-def rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
-    """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved, of `step`) among them:
+def rotate(ckpt_dir: Path, final: Path, keep_last: int) -> None:
+    """Remove checkpoints from `ckpt_dir` until `keep_last` are left, `final` (just saved) among them:
     those of a run this one abandoned first (`_abandoned`), then the least recently saved."""
     newest = _save_order(final)
 
@@ -77,7 +77,7 @@ def rotate(ckpt_dir: Path, final: Path, step: int, keep_last: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _abandoned(order: tuple[int, int], by: tuple[int, int]) -> bool:
+def _abandoned(order: tuple[float, int], by: tuple[float, int]) -> bool:
     """Whether the checkpoint saved as `order` (save number, step) belongs to a run that the one which saved `by`
     abandoned by resuming from an older step: a later step, saved before it."""
     return order[1] > by[1] and order[0] < by[0]

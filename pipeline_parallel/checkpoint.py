@@ -226,7 +226,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         files |= written
     _on_rank0(publish, comm, f"publish {final}")
     if rank == 0 and keep_last > 0:
-        rotate(ckpt_dir, final, step, keep_last)
+        rotate(ckpt_dir, final, keep_last)
     return final
 
 
