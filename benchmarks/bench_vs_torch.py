@@ -4,11 +4,13 @@
 
 CPU, gloo, one thread per rank. Every rank builds the same Llama (8 layers, hidden 256) and
 keeps the same stage for both engines (our cost-balanced split); a single-process run with one
-thread gives T_single. The engines take turns over several rounds, each running a short block
-of consecutive steps; ratios are taken within a round and their median over the rounds is
-reported with a 95% confidence interval (bootstrap over rounds), so the drift of a busy machine
-cancels out and one can tell a difference from noise. Besides the ratio to torch and to the
-bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
+thread gives T_single (and our engine on one process, one microbatch, a stricter one). Before
+timing, each engine's gradients are checked against the single-process run's. The engines take
+turns over several rounds, in an order shuffled each round, each running a short block of
+consecutive steps; ratios are taken within a round and their median over the rounds is reported
+with a 95% confidence interval (order statistics, free of assumptions about the distribution),
+so the drift of a busy machine cancels out and one can tell a difference from noise. Besides the
+ratio to torch and to the bubble-bound ideal T_single / p * (m + p - 1) / m, each of our schedules is compared with the
 same ideal from a T_single taken while every rank runs one (a CPU's cores share caches, memory
 bandwidth and clock, which no schedule can help), and with its floor: the step time the
 schedule allows with the compute times measured in our run, under which each rank's compute
@@ -25,6 +27,7 @@ import collections
 import copy
 import ctypes
 import inspect
+import math
 import os
 import queue
 import random
@@ -70,27 +73,31 @@ class _TorchStage(nn.Module):
     computing as our stages do: the first stage's embedding gradient made sparse, and the last
     stage handing its final hidden states to `_OurHeadLoss` instead of its logits to a loss."""
 
-    def __init__(self, model: nn.Module, parts: DecoderParts, our_compute: bool = False):
+    def __init__(self, model: nn.Module, parts: DecoderParts, num_microbatches: int, our_compute: bool = False):
         super().__init__()
         self.model, self.parts, self.our_compute = model, parts, our_compute
+        self.num_microbatches = num_microbatches
 
     def forward(self, x):
         with sparse_embedding_grad(self.parts.embed_tokens if self.our_compute else None):
             return self.parts.forward(x, head=not self.our_compute)
 
     def loss_fn(self, output, labels):
-        """The loss torch's schedule calls on the last stage (the same mean as ours: no token is ignored)."""
+        """The loss torch's schedule calls on the last stage: the microbatch's mean over the number of
+        microbatches (`num_microbatches`), the batch's mean as ours (no token is ignored), so that torch
+        need not scale the gradients afterwards (`scale_grads=False`), one pass over them fewer."""
         if self.our_compute:
-            return _OurHeadLoss.apply(output, labels, self.parts.lm_head, self.parts.scales)
-        return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
+            return _OurHeadLoss.apply(output, labels, self.parts.lm_head, self.parts.scales,
+                                      1 / (labels.numel() * self.num_microbatches))
+        return F.cross_entropy(output.float().flatten(0, 1), labels.flatten()) / self.num_microbatches
 
 
 class _OurHeadLoss(torch.autograd.Function):
     """Our last stage's head and loss (`HeadLoss`) as one autograd node, for torch's schedules."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, head, scales):
-        ctx.head_loss = HeadLoss(hidden, head, labels, 1 / labels.numel(), scales)
+    def forward(ctx, hidden, labels, head, scales, scale):
+        ctx.head_loss = HeadLoss(hidden, head, labels, scale, scales)
         return ctx.head_loss.loss
 
     @staticmethod
@@ -98,7 +105,7 @@ class _OurHeadLoss(torch.autograd.Function):
         if grad_loss.item() != 1.0:  # torch's schedule runs backward from the loss itself
             raise NotImplementedError("only a backward from the loss itself")
         ctx.head_loss.add_weight_grad()
-        return ctx.head_loss.input_grad(), None, None, None
+        return ctx.head_loss.input_grad(), None, None, None, None
 
 
 def worker(rank: int, world: int, port: int, args, results, parent: int) -> None:
@@ -113,10 +120,18 @@ def worker(rank: int, world: int, port: int, args, results, parent: int) -> None
     counts = balanced_layer_counts(8, world, estimate_costs(base.config, args.seq_len))
     first, last = rank == 0, rank == world - 1
 
+    solo = [dist.new_group([r], backend="gloo") for r in range(world)][rank]  # every rank makes every group
+    reference = _gradients(base, x, y)  # the single-process run's gradients, which every engine must give
+
     dist.barrier()
     engines, pipes = {}, {}
     # T_single: the whole model in one thread on rank 0, while the other ranks wait.
     engines["single"] = (lambda: _single_step(base, x, y)) if rank == 0 else (lambda: None)
+    # The same with our engine (a Pipeline of one stage, one microbatch): our compute in one process,
+    # whose ideal is the stricter one (the loss, the head's backward and the embedding gradient by our code).
+    alone = pp.Pipeline(copy.deepcopy(base), num_microbatches=1, device="cpu", group=solo) if rank == 0 else None
+    engines["single ours"] = (lambda: (alone.step(x, y), alone.zero_grad())) if rank == 0 else (lambda: None)
+    checks = {}  # an engine's step without zeroing the gradients, and the model they are left in
     # The same on every rank at once: what one thread's step costs while every core computes, as
     # in a pipeline on a CPU (shared caches, memory bandwidth, clock). Its time is the ranks' mean.
     engines["single busy"] = lambda: _single_step(base, x, y)
@@ -124,7 +139,7 @@ def worker(rank: int, world: int, port: int, args, results, parent: int) -> None
         pipe = pp.Pipeline(copy.deepcopy(base), schedule=name, num_microbatches=args.microbatches,
                            layer_counts=counts, device="cpu")
         engines[f"ours {name}"] = (lambda pipe=pipe: (pipe.step(x, y), pipe.zero_grad()))
-        pipes[name] = pipe
+        pipes[name], checks[f"ours {name}"] = pipe, (lambda pipe=pipe: pipe.step(x, y), pipe.model)
     # With --torch-with-our-compute, torch's schedules also run with our last stage's head and loss
     # and our first stage's embedding gradient, which tells the share of our time that is that
     # compute from the share that is the schedule and runtime.
@@ -136,25 +151,31 @@ def worker(rank: int, world: int, port: int, args, results, parent: int) -> None
             model = copy.deepcopy(base)
             indices = layer_ranges(counts)[rank]
             keep_local_part(model, indices, first, last)
-            module = _TorchStage(model, DecoderParts.of(model, indices, first, last), our_compute=ours)
+            module = _TorchStage(model, DecoderParts.of(model, indices, first, last), args.microbatches, ours)
             stage = PipelineStage(module, rank, world, torch.device("cpu"))
-            schedule = cls(stage, args.microbatches, loss_fn=module.loss_fn)
+            schedule = cls(stage, args.microbatches, loss_fn=module.loss_fn, scale_grads=False)
             step_args, step_kwargs = _torch_step_inputs(schedule, x, y, first, last)
             engines[f"torch {name}{suffix}"] = (lambda s=schedule, m=module, a=step_args, k=step_kwargs:
                                                 (s.step(*a, **k), m.zero_grad()))
+            # Its first step infers shapes, running a backward of its own (whose head gradient ours
+            # would add): made now, outside the check and the timing.
+            engines[f"torch {name}{suffix}"]()
+            checks[f"torch {name}{suffix}"] = (lambda s=schedule, a=step_args, k=step_kwargs: s.step(*a, **k), model)
+    differences = {name: _gradient_difference(step, model, reference) for name, (step, model) in checks.items()}
 
     # Rounds over all engines, each running a short block of consecutive steps, as in training.
     # Ratios are taken within a round, between blocks a few seconds apart, so the drift of a busy
-    # machine cancels out; the report gives their median over the rounds. The order rotates from
-    # round to round, so no engine always follows the same one.
+    # machine cancels out; the report gives their median over the rounds. The order is shuffled
+    # each round (alike on every rank), so no engine always follows the same one.
     times = {name: [[] for _ in range(args.rounds)] for name in engines}
     # Minor page faults per step: on a CPU, memory the allocator gave back and takes again is
     # faulted in page by page, a cost that depends on what ran before as much as on the engine.
     faults = {name: [] for name in engines}
     durations = {name: [collections.defaultdict(list) for _ in range(args.rounds)] for name in pipes}
-    order = list(engines)
     for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:  # each round starts one engine later
+        order = list(engines)
+        random.Random(r).shuffle(order)
+        for name in order:
             fn = engines[name]
             for _ in range(args.warmup):
                 fn()
@@ -179,14 +200,15 @@ def worker(rank: int, world: int, port: int, args, results, parent: int) -> None
                for name, rounds in durations.items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, (medians, {name: pipe.program for name, pipe in pipes.items()},
-                                      {name: statistics.median(f) for name, f in faults.items()}))
+                                      {name: statistics.median(f) for name, f in faults.items()}, differences))
     if rank == 0:
         # Our compute times of each round, all ranks together, per schedule; and each rank's program.
-        measured = {name: [{a: d for per_rank, _, _ in gathered for a, d in per_rank[name][r].items()}
+        measured = {name: [{a: d for per_rank, *_ in gathered for a, d in per_rank[name][r].items()}
                            for r in range(args.rounds)] for name in pipes}
-        programs = {name: [ran[name] for _, ran, _ in gathered] for name in pipes}
-        faults_per_rank = {name: [round(per_rank[name]) for _, _, per_rank in gathered] for name in engines}
-        results.put((times, counts, measured, programs, faults_per_rank))
+        programs = {name: [ran[name] for _, ran, *_ in gathered] for name in pipes}
+        faults_per_rank = {name: [round(per_rank[name]) for _, _, per_rank, _ in gathered] for name in engines}
+        largest = {name: max(per_rank[name] for *_, per_rank in gathered) for name in checks}
+        results.put((times, counts, measured, programs, faults_per_rank, largest))
     dist.destroy_process_group()
 
 
@@ -238,17 +260,56 @@ def compute_by_rank(measured: dict, world: int, m: int) -> list[float]:
     return [t / m for t in totals]
 
 
-def median_interval(values: list[float], samples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% confidence interval of the median of `values`: percentile bootstrap over them."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(samples))
-    return medians[int(0.025 * samples)], medians[int(0.975 * samples) - 1]
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A confidence interval of the median of `values` that assumes nothing of their distribution: the
+    order statistics x(k) and x(n + 1 - k) with the largest k that covers the median with at least
+    `confidence` (1 - 2 P(Binomial(n, 1/2) < k)); the smallest and largest value where no k does."""
+    xs, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k < (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k]
 
 
 def _single_step(model, x, y):
     loss = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
     loss.backward()
     model.zero_grad()
+
+
+_GRADIENT_TOLERANCE = 1e-4  # float32, summed in other orders: an engine computing something else differs by far more
+
+
+def _gradients(model, x, y) -> dict[str, torch.Tensor]:
+    """The single-process run's gradient of every parameter, by name."""
+    F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+def _gradient_difference(step, model: nn.Module, reference: dict[str, torch.Tensor]) -> float:
+    """The largest difference, relative to the largest value, between the gradients one `step` of an engine
+    leaves in this rank's part of `model` and the single-process run's (`reference`, by name)."""
+    model.zero_grad()
+    step()
+    worst = max((p.grad - reference[name]).abs().max().item() / reference[name].abs().max().item()
+                for name, p in model.named_parameters())
+    model.zero_grad()
+    return worst
+
+
+def _verdict(values: list[float], of: str, bound: float, target: str) -> str:
+    """The median of `values` (ratios to `of`), whether it meets `target` (at most `bound`), and where the
+    interval of the median lies: wholly within the target, wholly beyond it, or across it."""
+    median, (low, high) = statistics.median(values), median_interval(values)
+    where = "wholly within" if high <= bound else "wholly beyond" if low > bound else "across"
+    return (f"{median:.3f} of {of}, {'met' if median <= bound else 'missed'} ({target}; interval "
+            f"[{low:.3f}, {high:.3f}] {where} it)")
 
 
 def _torch_step_inputs(schedule, x, y, first, last) -> tuple[tuple, dict]:
@@ -298,7 +359,7 @@ def main() -> None:
         p.start()
     while True:  # a rank that fails prints its traceback and ends; then end the others rather than wait forever
         try:
-            times, counts, measured, programs, faults = results.get(timeout=1.0)
+            times, counts, measured, programs, faults, differences = results.get(timeout=1.0)
             break
         except queue.Empty:
             failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
@@ -310,16 +371,23 @@ def main() -> None:
     for p in procs:
         p.join()
 
+    unlike = {name: d for name, d in differences.items() if d > _GRADIENT_TOLERANCE}
+    if unlike:  # times of engines that do not compute the same thing would mean nothing
+        sys.exit(f"the gradients of {', '.join(unlike)} differ from the single-process run's by up to "
+                 f"{max(unlike.values()):.1e} of the largest, more than {_GRADIENT_TOLERANCE:.0e}: the benchmark stopped")
     p, m = args.ranks, args.microbatches
     per_round = {name: [statistics.median(t) for t in rounds] for name, rounds in times.items()}
     best = {name: min(min(t) for t in rounds) for name, rounds in times.items()}  # the least disturbed step
     single, single_busy = per_round.pop("single"), per_round.pop("single busy")  # T_single per round
+    single_ours = per_round.pop("single ours")
+    best.pop("single ours")
 
     def ideal_of(t_single: float) -> float:
         """The bubble-bound ideal step time of the issue's target, from a single-process step time."""
         return t_single / p * (m + p - 1) / m
 
     ideal, busy_ideal = [ideal_of(t) for t in single], [ideal_of(t) for t in single_busy]
+    ours_ideal = [ideal_of(t) for t in single_ours]
     best_ideal = ideal_of(best.pop("single"))
     best.pop("single busy")
     floors = {name: [floor(programs[name], p, d) for d in rounds] for name, rounds in measured.items()}
@@ -331,14 +399,23 @@ def main() -> None:
     # T_single is what running in stages costs on this machine beyond the bubble (shared cores, splits).
     per_rank = {name: [compute_by_rank(d, p, m) for d in rounds] for name, rounds in measured.items()}
     med = statistics.median
+
+    def ratios(a, b):
+        return [x / y for x, y in zip(a, b)]
+
     print(f"Llama 8 layers, hidden 256, vocab {args.vocab}; batch {args.batch} x seq {args.seq_len}; "
           f"{p} ranks (layers per stage {counts}), {m} microbatches, 1 thread per rank, gloo; "
           f"{args.rounds} rounds of {args.steps} steps per engine")
     print(f"single process, 1 thread: {med(single) * 1e3:8.1f} ms/step; with one on every "
           f"rank at once: {med(single_busy) * 1e3:.1f} ms/step "
           f"(x{med([b / i for b, i in zip(busy_ideal, ideal)]):.3f}: this machine's cost of all cores computing)")
+    print(f"single process, 1 thread, our engine (one stage, one microbatch): {med(single_ours) * 1e3:.1f} ms/step "
+          f"(x{med(ratios(single_ours, single)):.3f} of the plain step: our loss, head backward and embedding gradient)")
     print(f"bubble-bound ideal      : {med(ideal) * 1e3:8.1f} ms/step  (T_single / p * (m + p - 1) / m); "
-          f"with the all-cores T_single ('vs busy ideal'): {med(busy_ideal) * 1e3:.1f}")
+          f"with the all-cores T_single ('vs busy ideal'): {med(busy_ideal) * 1e3:.1f}; with our engine's "
+          f"T_single: {med(ours_ideal) * 1e3:.1f}")
+    print("gradients against the single-process run's (largest difference over the largest value): " +
+          ", ".join(f"{name} {d:.1e}" for name, d in differences.items()))
     for name in floors:
         split = [sum(a.kind == Kind.I for a in program) for program in programs[name]]
         print(f"floor of our {name:<6}   : {med(floors[name]) * 1e3:8.1f} ms/step  (with whole backwards, as torch's "
@@ -354,9 +431,6 @@ def main() -> None:
     print(f"{'engine':<{width}} {'ms/step':>8}  {'vs torch':<21} {'vs ideal':<21} {'vs busy ideal':<21} "
           f"{'vs floor':<21} {'best ms':>8} {'vs torch':>8} {'vs ideal':>8}  page faults/step by rank")
 
-    def ratios(a, b):
-        return [x / y for x, y in zip(a, b)]
-
     def ratio(a, b):
         values = ratios(a, b)
         low, high = median_interval(values)
@@ -369,11 +443,12 @@ def main() -> None:
               f"{ratio(t, ideal):<21} {ratio(t, busy_ideal):<21} {vs_floor:<21} {best[name] * 1e3:8.1f} "
               f"{best[name] / best['torch ' + schedule]:8.3f} {best[name] / best_ideal:8.3f}  {faults[name]}")
     print(f"single-process page faults/step by rank: {faults['single']} (one thread), {faults['single busy']} (all)")
-    for name, t in per_round.items():  # the issue's targets, on the medians over rounds
+    for name, t in per_round.items():  # the issue's targets, on the medians over rounds and their intervals
         if name.startswith("ours"):
-            vs_torch, vs_ideal = med(ratios(t, per_round["torch " + name.split()[1]])), med(ratios(t, ideal))
-            print(f"target {name}: {vs_torch:.3f} of torch ({'met' if vs_torch <= 0.95 else 'missed'}: at most 0.95), "
-                  f"{vs_ideal:.3f} of the ideal ({'met' if vs_ideal <= 1.10 else 'missed'}: within 10%)")
+            vs_torch, vs_ideal = ratios(t, per_round["torch " + name.split()[1]]), ratios(t, ideal)
+            print(f"target {name}: {_verdict(vs_torch, 'torch', 0.95, 'at most 0.95')}; "
+                  f"{_verdict(vs_ideal, 'the ideal', 1.10, 'within 10%')}; {med(ratios(t, ours_ideal)):.3f} of the "
+                  "ideal from our engine's T_single")
 
 
 if __name__ == "__main__":
