@@ -269,17 +269,21 @@ class Pipeline:
         norm_type = given["norm_type"]
         grads = [p.grad for p in self._unique_parameters() if p.grad is not None]
         local = torch.zeros((), dtype=torch.float64, device=self.device)  # also where the arguments are wrong
+        dtype = -1  # this rank's gradients' dtype, by its index in _FLOAT_DTYPES (-1: no gradient)
         if grads and error is None:
             try:  # a failure here is every rank's error below, not this rank's alone while the others wait
                 norms = [torch.linalg.vector_norm(_values(g), norm_type).double() for g in grads]
                 local = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+                dtype = _FLOAT_DTYPES.index(_common_dtype([g.dtype for g in grads]))
             except Exception as e:
                 error = e
-        # One collective: the ranks' norms (as int64 bits) travel with their agreement on the arguments.
+        # One collective: the ranks' norms (as int64 bits) and gradient dtypes travel with their agreement on the
+        # arguments, so that every rank returns the same norm in the same dtype (a rank may hold no gradient).
         by_rank = agree_on_settings(self.comm, fingerprint(**given), call="clip_grad_norm_()", local_error=error,
-                                    facts=[_bits(local)], details={name: {name: v} for name, v in given.items()})
-        norms = torch.tensor(by_rank, dtype=torch.int64, device=self.device).view(torch.float64)
-        total = torch.linalg.vector_norm(norms, norm_type).to(_common_dtype(grads))
+                                    facts=[_bits(local), dtype], details={name: {name: v} for name, v in given.items()})
+        norms = torch.tensor([bits for bits, _ in by_rank], dtype=torch.int64, device=self.device).view(torch.float64)
+        dtypes = [_FLOAT_DTYPES[index] for _, index in by_rank if index >= 0]
+        total = torch.linalg.vector_norm(norms, norm_type).to(_common_dtype(dtypes))
         torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
         return total
 
@@ -300,12 +304,15 @@ def _bits(value: torch.Tensor) -> int:
     return value.view(torch.int64).item()
 
 
-def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    """The dtype torch's own clip_grad_norm_ returns for these gradients (float32 if none)."""
-    dtype = tensors[0].dtype if tensors else torch.float32
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+_FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]  # of gradients, by index
+
+
+def _common_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype torch's own clip_grad_norm_ returns for gradients of these dtypes (float32 if none)."""
+    common = dtypes[0] if dtypes else torch.float32
+    for dtype in dtypes[1:]:
+        common = torch.promote_types(common, dtype)
+    return common
 
 
 def _check_autocast_dtype(dtype) -> None:

@@ -388,6 +388,23 @@ def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale, sparse):
             torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def _clip_without_gradients_on_rank_0(rank, world_size):
+    pipe = pp.Pipeline(_double_model(False), num_microbatches=2, device="cpu")
+    pipe.step(*make_batch(4, 8, num_microbatches=2))
+    if rank == 0:
+        pipe.zero_grad(set_to_none=True)  # as a stage whose every parameter is frozen
+    grads = [p.grad for p in pipe.parameters() if p.grad is not None]
+    own = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) if grads else torch.tensor(0.0)
+    return pipe.clip_grad_norm_(float("inf")), own
+
+
+def test_clip_grad_norm_is_the_same_on_every_rank_where_one_holds_no_gradient():
+    """A rank without gradients returned the global norm in float32, the others in their gradients' float64."""
+    (norm_0, own_0), (norm_1, own_1) = run_distributed(_clip_without_gradients_on_rank_0, 2, timeout=TIMEOUT)
+    assert own_0 == 0 and norm_0.dtype == norm_1.dtype == torch.float64
+    assert norm_0.item() == norm_1.item() == pytest.approx(own_1.item(), rel=1e-12)
+
+
 _DIFFERENT_ENDS = {"shifted": lambda w: w + 1, "rows-in-another-order": lambda w: w.flip(0),
                    "entries-in-another-order": lambda w: w.flip(1)}
 
