@@ -174,8 +174,8 @@ def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckp
     # Not one of a run abandoned for this one's: the run went on from an earlier step. A meta.json that cannot be
     # read counts as the newest save's, as that of the checkpoint a run resumes from mostly is.
     own = _save_order(path, unreadable=math.inf)
-    others = sorted((p for p in _step_dirs(path.parent) if p != path and not _abandoned(_save_order(p), own)),
-                    key=_save_order, reverse=True)
+    orders = {p: _save_order(p) for p in _step_dirs(path.parent) if p != path}
+    others = sorted((p for p, order in orders.items() if not _abandoned(order, own)), key=orders.get, reverse=True)
     if comm is None:
         return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
     others = comm.all_gather_object(others)[0]

@@ -16,8 +16,7 @@ from tqdm import tqdm
 from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from ._files import atomic_write, room_note
 from .batch import differences
-from ._checkpoint_dirs import published
-from .checkpoint import load_checkpoint, read_extra, save_checkpoint
+from .checkpoint import load_checkpoint, published, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
 from .config_checks import llama_config, validate
@@ -32,7 +31,6 @@ from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume
 from .run_end import report_run_end
 from .tokenizer_identity import tokenizer_record
-
 
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
