@@ -275,9 +275,13 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return xs[k - 1], xs[n - k]
 
 
+def _single_loss(model, x, y) -> torch.Tensor:
+    """The single-process run's loss: the whole model on the whole batch, as a user would write it."""
+    return F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
+
+
 def _single_step(model, x, y):
-    loss = F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten())
-    loss.backward()
+    _single_loss(model, x, y).backward()
     model.zero_grad()
 
 
@@ -286,7 +290,7 @@ _GRADIENT_TOLERANCE = 1e-4  # float32, summed in other orders: an engine computi
 
 def _gradients(model, x, y) -> dict[str, torch.Tensor]:
     """The single-process run's gradient of every parameter, by name."""
-    F.cross_entropy(model(x).logits.float().flatten(0, 1), y.flatten()).backward()
+    _single_loss(model, x, y).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     return grads
