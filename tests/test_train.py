@@ -547,12 +547,14 @@ def _slow_rank_worker(rank, world_size, cfg, port):
     import pipeline_parallel.run_end as run_end
     import pipeline_parallel.trainer as trainer
 
-    dist.destroy_process_group()  # again, with a timeout shorter than the slow parts
+    # Again, with a timeout shorter than the slow parts; long enough for the group's own start on a busy machine,
+    # where 4 s sometimes ran out while the ranks connected ("Connection closed by peer").
+    dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=4))
+                            timeout=timedelta(seconds=6))
     for module, name in ((trainer, "prepare_data"), (run_end, "export")):
         real = getattr(module, name)
-        setattr(module, name, lambda *a, real=real, **k: (time.sleep(5), real(*a, **k))[1])
+        setattr(module, name, lambda *a, real=real, **k: (time.sleep(7), real(*a, **k))[1])
     return len(run(cfg))
 
 
@@ -976,7 +978,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_every_rank_with_one_message(c
     cfgs = [make_cfg(tmp_path / name, corpus, **{"checkpoint.interval": 1, "train.max_steps": 2})
             for name in ("shards", "publish")]
     (shards0, publish0), (shards1, publish1) = run_distributed(_saves_failing, 2, cfgs)
-    assert shards0 == shards1 and publish0 == publish1
+    assert _but_room(shards0) == _but_room(shards1) and _but_room(publish0) == _but_room(publish1)
     assert re.fullmatch(r"step 1: could not write .*shards/checkpoints/step_000001.tmp \(rank 1: OSError: \[Errno 28\] "
                         rf"No space left on device\); the previous checkpoint is untouched{_ROOM}; make room or fix "
                         r"the directory, then start again", shards0), shards0
@@ -999,12 +1001,18 @@ def _settings_unwritable_on_rank_0(rank, world_size, cfg):
 def test_a_start_that_cannot_record_its_settings_stops_every_rank_with_one_message(corpus, tmp_path):
     """Rank 0 ended alone with a traceback (and the others with "Connection closed by peer")."""
     said0, said1 = run_distributed(_settings_unwritable_on_rank_0, 2, make_cfg(tmp_path, corpus))
-    assert said0 == said1
+    assert _but_room(said0) == _but_room(said1)
     assert re.fullmatch(rf"could not write the run's settings into {tmp_path} \(No space left on device{_ROOM}\); "
                         "make room or fix the directory", said0), said0
 
 
 _ROOM = r"; [\d,]+\.\d [MG]B free on its disk"  # a full disk does not always say so: torch's "unexpected pos 704 vs 598"
+
+
+def _but_room(message: str | None) -> str | None:
+    """`message` without its room note: each rank measures the free space itself, and a disk others write to
+    (another test, another job) can change by 0.1 GB between the two."""
+    return message and re.sub(_ROOM, "", message)
 
 
 class _FullFrom:
@@ -1053,7 +1061,7 @@ def test_metrics_that_cannot_be_written_stop_every_rank_before_the_next_checkpoi
     resumed run logs the lost steps again."""
     cfgs = [make_cfg(tmp_path / name, corpus, **{"checkpoint.interval": 2}) for name in ("whole", "room", "full")]
     said0, said1 = run_distributed(_metrics_failing, 2, cfgs)
-    assert said0 == said1 and said0[0] is None, said0
+    assert [_but_room(s) for s in said0] == [_but_room(s) for s in said1] and said0[0] is None, said0
     assert re.fullmatch(r"step 4: rank 1: could not write .*full/metrics.jsonl \(No space left on device\); no "
                         rf"checkpoint was saved{_ROOM}; make room or fix the directory, then resume from "
                         r".*full/checkpoints/step_000002", said0[1]), said0
