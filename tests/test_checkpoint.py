@@ -831,3 +831,34 @@ def test_the_checkpoint_a_damage_error_names_is_quoted_for_a_shell_where_it_must
                                                       f"'{tmp_path / 'my run' / 'step_1'}'")
     assert export_command(tmp_path / "my run" / "step_1", "DIR") == (f"python -m pipeline_parallel.export "
                                                                      f"'{tmp_path / 'my run' / 'step_1'}' --out DIR")
+
+
+# Kills M68 (checkpoint.py _meta_to_load: the format_version check dropped).
+def test_a_checkpoint_of_another_format_is_refused_before_any_tensor_is_loaded(tmp_path):
+    """A checkpoint written in another format (by a later version) was loaded as if it were this one's, its files read
+    by today's layout. It is refused, by its format, and the model is left as it was."""
+    model = make_stage(0, 1)
+    path = save_checkpoint(tmp_path, 1, model, train(model), {"step": 1}, keep_last=0)
+    meta = ckpt_dirs.read_meta(path)
+    (path / "meta.json").write_text(ckpt_dirs.meta_text({**meta, "format_version": 2}))  # sealed as a save seals it
+    fresh = make_stage(0, 1, seed=1)
+    before = {name: p.clone() for name, p in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"has checkpoint format 2; this version of pipeline_parallel reads format 1"):
+        load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert all(torch.equal(p, before[name]) for name, p in fresh.state_dict().items())
+
+
+# Kills M75 (checkpoint.py load_checkpoint: pending gradients not dropped before the optimizer state is loaded).
+def test_a_load_into_a_model_with_pending_gradients_restores_the_optimizer_state(tmp_path):
+    """Every load in the tests goes into a fresh model. One that has gradients (a notebook that trained a step, then
+    loads) kept them: AdamW's state was not created to load into, and the next step added the stale gradients."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, keep_last=0)
+    other = make_stage(0, 1, seed=1)
+    for p in other.parameters():  # pending gradients, and no optimizer state yet
+        p.grad = torch.ones_like(p)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.1)
+    load_checkpoint(path, other, other_opt)
+    assert all(p.grad is None for p in other.parameters())
+    assert_same(snapshot(other, other_opt), snapshot(model, opt))

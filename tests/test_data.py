@@ -515,3 +515,49 @@ def test_stdlib_default(tmp_path):
     prepared = D.prepare_data(tmp_path, seq_len=32, vocab_size=512, max_tokens=5000, tokenizer_train_chars=300_000)
     assert prepared.num_tokens == 5000 and len(prepared.train) + len(prepared.eval) == 5000 // 33
     assert "import" in prepared.tokenizer.decode(prepared.train[np.arange(len(prepared.train))].flatten().tolist())
+
+
+# Kills M23 (data.py split_sequences: held = np.arange(n_eval), the first sequences held out).
+def test_held_out_sequences_are_spread_evenly_through_the_data():
+    """The held-out sequences sample every part of the data (split_sequences says so): held out from its start
+    alone, the eval loss measured one file (the first of a sorted directory) and trained on none of it."""
+    seqs = D.Sequences(np.arange(1000, dtype=np.uint16), seq_len=9)  # 100 sequences
+    assert D.split_sequences(seqs, 0.05)[1].rows.tolist() == [0, 20, 40, 60, 80]
+    held = D.split_sequences(D.Sequences(np.arange(10 * 1003), seq_len=9), 0.03)[1].rows  # 1003 sequences, 30 held
+    assert len(held) == 30 and held[0] == 0 and set(np.diff(held).tolist()) == {33, 34}  # 1003 / 30 apart
+
+
+
+# Kills M64 (token_cache.py write_tokens: EOS appended even where the tokenizer's own ending already is EOS) and
+# M71 (tokenizer.py document_ends: what a tokenizer puts after a text dropped).
+@pytest.mark.parametrize("template, starts, ends", [
+    ("<s> $A " + EOS_TOKEN, ["<s>"], [EOS_TOKEN]),  # its own EOS ends the document: no second one
+    ("$A <sep>", [], ["<sep>", EOS_TOKEN]),  # its separator stays, then EOS
+], ids=["adds-eos", "adds-a-separator"])
+def test_a_document_ends_with_what_the_tokenizer_puts_after_a_text_and_one_eos(tmp_path, template, starts, ends):
+    """The special-tokens test covers a tokenizer that adds a BOS only. Each document is put in the stream as the
+    exported tokenizer hands a text to the model, then ends with one end-of-text."""
+    from tokenizers.processors import TemplateProcessing
+
+    backend = train_bpe(make_docs(), vocab_size=300).backend
+    backend.add_special_tokens(["<s>", "<sep>"])
+    ids = {name: backend.token_to_id(name) for name in ("<s>", "<sep>", EOS_TOKEN)}
+    backend.post_processor = TemplateProcessing(single=template, special_tokens=list(ids.items()))
+    tok = T.Tokenizer(backend, ids[EOS_TOKEN])
+    before, after = [ids[name] for name in starts], [ids[name] for name in ends]
+    path = tmp_path / "tokens.uint16.bin"
+    token_cache.write_tokens([("the lazy dog", True), ("a fox", True)], tok, path)
+    assert np.fromfile(path, dtype=np.uint16).tolist() == (before + tok.encode("the lazy dog") + after
+                                                            + before + tok.encode("a fox") + after)
+
+
+# Kills M67 (bpe.py train_bpe: the document that crosses max_chars is taken whole, not cut at max_chars).
+def test_the_tokenizer_is_trained_on_the_first_max_chars_characters_exactly():
+    """data.tokenizer_train_chars is recorded with the run's tokenizer and checked on every start, but the
+    document that crossed it was taken whole: the cap is the first max_chars characters, cut inside a document."""
+    docs = make_docs(n=6, words=200)
+    cap = len(docs[0]) + len(docs[1]) // 2
+    capped = train_bpe(docs, vocab_size=300, max_chars=cap)
+    assert capped.fingerprint() == train_bpe([docs[0], docs[1][: len(docs[1]) // 2]], vocab_size=300,
+                                             max_chars=None).fingerprint()
+    assert capped.fingerprint() != train_bpe(docs[:2], vocab_size=300, max_chars=None).fingerprint()

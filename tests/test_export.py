@@ -764,3 +764,33 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
             and f"export an earlier one with: python -m pipeline_parallel.export {ckpt_dir / 'step_000001'} --out DIR"
             in out), out
     assert not (tmp_path / "run" / "export").exists()
+
+
+# Kills M50 (export.py _write_hf_model: the weights written in float32 whatever dtype was asked for).
+def test_a_bf16_export_holds_the_checkpoint_s_weights_rounded_to_bf16(trained, tmp_path):
+    """--dtype bf16 is checked only for its messages: an export that wrote float32 weights under a config.json that
+    says bfloat16 took twice the room asked for. Each tensor is the checkpoint's, rounded to bf16, and the tied LM
+    head is left to be tied again."""
+    from safetensors.torch import load_file
+
+    run_dir, _ = trained
+    out, model, _ = export(run_dir, tmp_path / "hf", dtype="bf16")
+    saved, full = load_file(str(out / "model.safetensors")), model.state_dict()
+    assert set(saved) == set(full) - {"lm_head.weight"}
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+# Kills M60 (export.py hf_config_dict: our own Llama keeps transformers' default ids when the tokenizer's EOS is 2).
+def test_our_llama_s_config_names_the_run_tokenizer_s_special_ids_whatever_they_are():
+    """Our Llama's config comes with transformers' defaults (BOS 1, EOS 2). Only a tokenizer whose end-of-text is
+    another id was tested: one whose end-of-text is id 2 kept BOS 1, a token the model never saw start a document."""
+    from pipeline_parallel.export import hf_config_dict
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=300, num_hidden_layers=2))
+    for eos, bos, want in ((2, None, (2, 2)), (2, 7, (2, 7)), (0, None, (0, 0))):
+        config = hf_config_dict(model, eos, bos)
+        assert (config["eos_token_id"], config["bos_token_id"]) == want

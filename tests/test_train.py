@@ -17,18 +17,22 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _dist import _free_port, run_distributed
 
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel._dir_lock import lock_dir
 from pipeline_parallel.bpe import train_bpe
-from pipeline_parallel.config import KEYS, ConfigError, load_config, parse_args, to_toml, with_overrides
+from pipeline_parallel.config import KEYS, ConfigError, OptimConfig, load_config, parse_args, to_toml, with_overrides
 from pipeline_parallel.config_checks import validate
+from pipeline_parallel.data import prepare_data
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
+from pipeline_parallel.optim import build_optimizer
 from pipeline_parallel.tokenizer import load_tokenizer
 from pipeline_parallel.train import main, run
 from pipeline_parallel.trainer import CheckpointNotSaved, Trainer, TrainingDiverged
@@ -568,9 +572,6 @@ def test_ranks_wait_for_long_data_preparation_and_export(corpus, tmp_path):
 
 def test_weight_decay_takes_matrices_and_leaves_norms_and_biases_of_any_shape():
     """gpt_oss's per-expert biases are matrices by shape ([experts, width]) and were decayed like weights."""
-    from pipeline_parallel.config import OptimConfig
-    from pipeline_parallel.optim import build_optimizer
-
     experts = torch.nn.Module()
     experts.gate_up_proj = torch.nn.Parameter(torch.ones(4, 8, 16))
     experts.gate_up_proj_bias = torch.nn.Parameter(torch.ones(4, 16))
@@ -1120,3 +1121,131 @@ def test_torchrun_end_to_end(corpus, tmp_path):
     assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert (run_dir / "export" / "model.safetensors").is_file() and (run_dir / "export" / "config.json").is_file()
     assert "resolved config:" in result.stdout and "sample:" in result.stdout
+
+
+# Kills M06 (optim.py set_hyperparameters: betas=(cfg.beta1, cfg.beta1), beta2 never reaches AdamW).
+def test_the_optimizer_takes_every_configured_setting():
+    """AdamW's betas, eps and weight decay come from the config, in both groups: a beta2 left out trained with other
+    second moments than configured, which comparing two runs of the same code (the resume tests) cannot find."""
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), OptimConfig(lr=2e-3, beta1=0.8, beta2=0.7, eps=1e-5,
+                                                                   weight_decay=0.25))
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in optimizer.param_groups] == [
+        (2e-3, (0.8, 0.7), 1e-5, 0.25), (2e-3, (0.8, 0.7), 1e-5, 0.0)]
+
+
+# Kills M08 (trainer.py train_step: set_lr dropped, AdamW keeps optim.lr while the logged lr follows the schedule)
+# and M10 (trainer.py train_step: clip_grad_norm_(math.inf), the gradients are never clipped).
+def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_clip(corpus, tmp_path):
+    """The logged lr is computed, not read from the optimizer, and the logged gradient norm is the one before
+    clipping: an lr that never reached AdamW, or a clip that never happened, trained otherwise than logged, and
+    alike in both runs the resume test compares. So watch the optimizer itself at each update: the lr of its
+    groups, and the global norm of the gradients it steps with (one rank: the whole model's)."""
+    clip = 0.05  # below the gradients' norm at every step of this run, so every step is clipped
+    trainer = Trainer(make_cfg(tmp_path, corpus, **{"eval.interval": 0, "optim.grad_clip": clip}))
+    seen, real_update = [], trainer.optimizer.step
+
+    def update(*args, **kwargs):
+        grads = [p.grad for p in trainer.pipe.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        seen.append(({group["lr"] for group in trainer.optimizer.param_groups}, norm))
+        return real_update(*args, **kwargs)
+
+    trainer.optimizer.step = update
+    records = [r for r in trainer.fit() if "loss" in r]
+    lr, min_lr, warmup, decay = 1e-2, 3e-4, 2, 6  # make_cfg's
+    want = [lr * step / warmup if step <= warmup else
+            min_lr + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (decay - warmup))) * (lr - min_lr)
+            for step in range(1, 7)]
+    assert len(seen) == len(records) == 6
+    for (lrs, norm), record, scheduled in zip(seen, records, want):
+        assert lrs == {record["lr"]} and record["lr"] == pytest.approx(scheduled, rel=1e-12)
+        assert record["grad_norm"] > clip and norm == pytest.approx(clip, rel=1e-4), (record, norm)
+
+
+# Kills M13 (trainer.py evaluate: each batch weighs 1, not its sequences), M14 (trainer.py evaluate: one batch
+# more than eval.max_batches) and M15 (trainer.py fit: no evaluation at the last step).
+@pytest.mark.parametrize("max_batches", [0, 2])
+def test_the_eval_loss_is_the_token_mean_over_the_held_out_sequences(corpus, tmp_path, max_batches):
+    """The eval loss was only ever compared between two runs of the same code. Here it is compared with the
+    saved model's own cross-entropy over the held-out sequences it should cover: all 43 (whose last batch of 3,
+    padded to 4 for the microbatches, weighs by its 3 sequences and no padding), or the first 2 batches of 8.
+    The one step is no multiple of eval.interval: the evaluation is the one at the end of every run."""
+    cfg = make_cfg(tmp_path, corpus, **{"train.max_steps": 1, "eval.interval": 2, "eval.max_batches": max_batches,
+                                       "optim.warmup_steps": 0, "optim.lr_decay_steps": 0})
+    run(cfg)
+    model, _ = load_full_model(tmp_path)  # the checkpoint of step 1, after which the eval ran
+    held = prepare_data(tmp_path, cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=cfg.data.tokenizer,
+                        eval_fraction=cfg.data.eval_fraction).eval  # the cached stream, split as the run split it
+    rows = np.arange(len(held) if max_batches == 0 else max_batches * cfg.train.batch_size)
+    assert len(held) % cfg.train.batch_size == 3 and len(rows) < len(held) or max_batches == 0
+    sequences = held[rows]
+    with torch.no_grad():
+        logits = model(sequences[:, :-1]).logits
+    want = F.cross_entropy(logits.flatten(0, 1), sequences[:, 1:].flatten()).item()
+    assert _losses(tmp_path, "eval_loss") == {1: pytest.approx(want, rel=1e-5)}
+
+
+# Kills M16 (trainer.py _resume: the token count starts again from 0 instead of the checkpoint's).
+def test_a_resumed_run_goes_on_counting_the_tokens_trained_before_it(runs):
+    """The resume test compares losses only: a resume that counted tokens from 0 again logged (and saved) a third of
+    the tokens the run had trained on, 8 sequences of 32 tokens a step."""
+    whole, split, _ = runs
+    assert _losses(split, "tokens") == _losses(whole, "tokens") == {step: step * 8 * 32 for step in range(1, 7)}
+    assert ckpt.read_extra(split / "checkpoints" / "step_000006")["tokens"] == 6 * 8 * 32
+
+
+# Kills M19 (trainer.py train_step: only the loss is checked for being finite, not the gradient norm).
+def test_gradients_that_overflow_under_a_finite_loss_stop_the_run_before_the_update(corpus, tmp_path):
+    """The divergence test makes the loss NaN, which makes the gradients NaN too. Gradients can overflow alone (a
+    finite loss): clipping by an infinite norm then turns them to 0 or NaN, and AdamW writes NaN into the weights,
+    which were found only at the next checkpoint, after training on. The update must be refused at that step."""
+    trainer = Trainer(make_cfg(tmp_path, corpus, **{"eval.interval": 0}))
+    real_step = trainer.pipe.step
+
+    def step(inputs, labels):
+        loss = real_step(inputs, labels)
+        if trainer.step == 1:  # the second step's backward overflows one gradient
+            with torch.no_grad():
+                next(trainer.pipe.parameters()).grad.view(-1)[0] = float("inf")
+        return loss
+
+    trainer.pipe.step = step
+    with pytest.raises(TrainingDiverged, match=r"^step 2: loss \d+\.\d+, gradient norm inf; the weights were not "
+                                               r"updated and nothing was saved"):
+        trainer.fit()
+    assert all(torch.isfinite(p).all() for p in trainer.pipe.parameters())
+
+
+# Kills M44 (config_checks.py: min_lr <= lr not checked), M45 (beta2 not checked) and M46 (optim.min_lr left out
+# of the >= 0 checks).
+@pytest.mark.parametrize("changes, message", [
+    ({"optim.min_lr": 2e-2}, r"need 0 < optim.lr and optim.min_lr <= optim.lr, got 0.01, 0.02"),
+    ({"optim.min_lr": -1e-4}, r"optim.min_lr must be >= 0, got -0.0001"),
+    ({"optim.beta2": 1.0}, r"need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0"),
+    ({"optim.beta1": -0.1}, r"need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0"),
+    ({"optim.eps": 0.0}, r"need 0 <= optim.beta1, beta2 < 1 and optim.eps > 0"),
+], ids=["min_lr-above-lr", "negative-min_lr", "beta2-1", "negative-beta1", "eps-0"])
+def test_optimizer_settings_out_of_range_are_config_errors(corpus, tmp_path, changes, message):
+    """Each was accepted: a min_lr above lr made the cosine climb, a negative one ended the run ascending the loss
+    (a negative lr), and a beta of 1 failed in AdamW's constructor with a traceback on every rank, once the data
+    was prepared. They are config errors, before anything is read."""
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(tmp_path, corpus, **changes), 2)
+
+
+
+# Kills M73 (run_end.py report_run_end: the export made whatever export.at_end says).
+def test_a_run_with_export_at_end_off_exports_nothing(runs):
+    """make_cfg turns the export off, and no test looked: the run exported anyway, replacing run_dir/export (an
+    export the user made of another checkpoint, say) and taking the time and room of a whole model."""
+    for run_dir in runs[:2]:
+        assert not (run_dir / "export").exists() and ckpt.latest_checkpoint(run_dir).name == "step_000006"
+
+
+# Kills M76 (config_checks.py validate: data.seq_len is not checked against our Llama's max_position_embeddings).
+def test_sequences_longer_than_the_model_s_context_are_a_config_error(corpus, tmp_path):
+    """Only the --hf-model bound was tested: our Llama trained on sequences past its max_position_embeddings without
+    a word, and its export claimed a context shorter than it was trained on."""
+    with pytest.raises(ConfigError, match=r"data.seq_len 65 exceeds model.max_position_embeddings 64"):
+        validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 65}), 2)
+    validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 64}), 2)
