@@ -833,7 +833,6 @@ def test_the_checkpoint_a_damage_error_names_is_quoted_for_a_shell_where_it_must
                                                                      f"'{tmp_path / 'my run' / 'step_1'}' --out DIR")
 
 
-# Kills M68 (checkpoint.py _meta_to_load: the format_version check dropped).
 def test_a_checkpoint_of_another_format_is_refused_before_any_tensor_is_loaded(tmp_path):
     """A checkpoint written in another format (by a later version) was loaded as if it were this one's, its files read
     by today's layout. It is refused, by its format, and the model is left as it was."""
@@ -848,7 +847,6 @@ def test_a_checkpoint_of_another_format_is_refused_before_any_tensor_is_loaded(t
     assert all(torch.equal(p, before[name]) for name, p in fresh.state_dict().items())
 
 
-# Kills M75 (checkpoint.py load_checkpoint: pending gradients not dropped before the optimizer state is loaded).
 def test_a_load_into_a_model_with_pending_gradients_restores_the_optimizer_state(tmp_path):
     """Every load in the tests goes into a fresh model. One that has gradients (a notebook that trained a step, then
     loads) kept them: AdamW's state was not created to load into, and the next step added the stale gradients."""

@@ -517,7 +517,6 @@ def test_stdlib_default(tmp_path):
     assert "import" in prepared.tokenizer.decode(prepared.train[np.arange(len(prepared.train))].flatten().tolist())
 
 
-# Kills M23 (data.py split_sequences: held = np.arange(n_eval), the first sequences held out).
 def test_held_out_sequences_are_spread_evenly_through_the_data():
     """The held-out sequences sample every part of the data (split_sequences says so): held out from its start
     alone, the eval loss measured one file (the first of a sorted directory) and trained on none of it."""
@@ -528,8 +527,6 @@ def test_held_out_sequences_are_spread_evenly_through_the_data():
 
 
 
-# Kills M64 (token_cache.py write_tokens: EOS appended even where the tokenizer's own ending already is EOS) and
-# M71 (tokenizer.py document_ends: what a tokenizer puts after a text dropped).
 @pytest.mark.parametrize("template, starts, ends", [
     ("<s> $A " + EOS_TOKEN, ["<s>"], [EOS_TOKEN]),  # its own EOS ends the document: no second one
     ("$A <sep>", [], ["<sep>", EOS_TOKEN]),  # its separator stays, then EOS
@@ -551,7 +548,6 @@ def test_a_document_ends_with_what_the_tokenizer_puts_after_a_text_and_one_eos(t
                                                             + before + tok.encode("a fox") + after)
 
 
-# Kills M67 (bpe.py train_bpe: the document that crosses max_chars is taken whole, not cut at max_chars).
 def test_the_tokenizer_is_trained_on_the_first_max_chars_characters_exactly():
     """data.tokenizer_train_chars is recorded with the run's tokenizer and checked on every start, but the
     document that crossed it was taken whole: the cap is the first max_chars characters, cut inside a document."""

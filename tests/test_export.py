@@ -766,7 +766,6 @@ def test_a_checkpoint_damaged_before_the_export_at_the_end_names_the_intact_one_
     assert not (tmp_path / "run" / "export").exists()
 
 
-# Kills M50 (export.py _write_hf_model: the weights written in float32 whatever dtype was asked for).
 def test_a_bf16_export_holds_the_checkpoint_s_weights_rounded_to_bf16(trained, tmp_path):
     """--dtype bf16 is checked only for its messages: an export that wrote float32 weights under a config.json that
     says bfloat16 took twice the room asked for. Each tensor is the checkpoint's, rounded to bf16, and the tied LM
@@ -783,7 +782,6 @@ def test_a_bf16_export_holds_the_checkpoint_s_weights_rounded_to_bf16(trained, t
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
 
 
-# Kills M60 (export.py hf_config_dict: our own Llama keeps transformers' default ids when the tokenizer's EOS is 2).
 def test_our_llama_s_config_names_the_run_tokenizer_s_special_ids_whatever_they_are():
     """Our Llama's config comes with transformers' defaults (BOS 1, EOS 2). Only a tokenizer whose end-of-text is
     another id was tested: one whose end-of-text is id 2 kept BOS 1, a token the model never saw start a document."""

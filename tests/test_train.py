@@ -1123,7 +1123,6 @@ def test_torchrun_end_to_end(corpus, tmp_path):
     assert "resolved config:" in result.stdout and "sample:" in result.stdout
 
 
-# Kills M06 (optim.py set_hyperparameters: betas=(cfg.beta1, cfg.beta1), beta2 never reaches AdamW).
 def test_the_optimizer_takes_every_configured_setting():
     """AdamW's betas, eps and weight decay come from the config, in both groups: a beta2 left out trained with other
     second moments than configured, which comparing two runs of the same code (the resume tests) cannot find."""
@@ -1133,8 +1132,6 @@ def test_the_optimizer_takes_every_configured_setting():
         (2e-3, (0.8, 0.7), 1e-5, 0.25), (2e-3, (0.8, 0.7), 1e-5, 0.0)]
 
 
-# Kills M08 (trainer.py train_step: set_lr dropped, AdamW keeps optim.lr while the logged lr follows the schedule)
-# and M10 (trainer.py train_step: clip_grad_norm_(math.inf), the gradients are never clipped).
 def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_clip(corpus, tmp_path):
     """The logged lr is computed, not read from the optimizer, and the logged gradient norm is the one before
     clipping: an lr that never reached AdamW, or a clip that never happened, trained otherwise than logged, and
@@ -1162,8 +1159,6 @@ def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_c
         assert record["grad_norm"] > clip and norm == pytest.approx(clip, rel=1e-4), (record, norm)
 
 
-# Kills M13 (trainer.py evaluate: each batch weighs 1, not its sequences), M14 (trainer.py evaluate: one batch
-# more than eval.max_batches) and M15 (trainer.py fit: no evaluation at the last step).
 @pytest.mark.parametrize("max_batches", [0, 2])
 def test_the_eval_loss_is_the_token_mean_over_the_held_out_sequences(corpus, tmp_path, max_batches):
     """The eval loss was only ever compared between two runs of the same code. Here it is compared with the
@@ -1185,7 +1180,6 @@ def test_the_eval_loss_is_the_token_mean_over_the_held_out_sequences(corpus, tmp
     assert _losses(tmp_path, "eval_loss") == {1: pytest.approx(want, rel=1e-5)}
 
 
-# Kills M16 (trainer.py _resume: the token count starts again from 0 instead of the checkpoint's).
 def test_a_resumed_run_goes_on_counting_the_tokens_trained_before_it(runs):
     """The resume test compares losses only: a resume that counted tokens from 0 again logged (and saved) a third of
     the tokens the run had trained on, 8 sequences of 32 tokens a step."""
@@ -1194,7 +1188,6 @@ def test_a_resumed_run_goes_on_counting_the_tokens_trained_before_it(runs):
     assert ckpt.read_extra(split / "checkpoints" / "step_000006")["tokens"] == 6 * 8 * 32
 
 
-# Kills M19 (trainer.py train_step: only the loss is checked for being finite, not the gradient norm).
 def test_gradients_that_overflow_under_a_finite_loss_stop_the_run_before_the_update(corpus, tmp_path):
     """The divergence test makes the loss NaN, which makes the gradients NaN too. Gradients can overflow alone (a
     finite loss): clipping by an infinite norm then turns them to 0 or NaN, and AdamW writes NaN into the weights,
@@ -1216,8 +1209,6 @@ def test_gradients_that_overflow_under_a_finite_loss_stop_the_run_before_the_upd
     assert all(torch.isfinite(p).all() for p in trainer.pipe.parameters())
 
 
-# Kills M44 (config_checks.py: min_lr <= lr not checked), M45 (beta2 not checked) and M46 (optim.min_lr left out
-# of the >= 0 checks).
 @pytest.mark.parametrize("changes, message", [
     ({"optim.min_lr": 2e-2}, r"need 0 < optim.lr and optim.min_lr <= optim.lr, got 0.01, 0.02"),
     ({"optim.min_lr": -1e-4}, r"optim.min_lr must be >= 0, got -0.0001"),
@@ -1234,7 +1225,6 @@ def test_optimizer_settings_out_of_range_are_config_errors(corpus, tmp_path, cha
 
 
 
-# Kills M73 (run_end.py report_run_end: the export made whatever export.at_end says).
 def test_a_run_with_export_at_end_off_exports_nothing(runs):
     """make_cfg turns the export off, and no test looked: the run exported anyway, replacing run_dir/export (an
     export the user made of another checkpoint, say) and taking the time and room of a whole model."""
@@ -1242,7 +1232,6 @@ def test_a_run_with_export_at_end_off_exports_nothing(runs):
         assert not (run_dir / "export").exists() and ckpt.latest_checkpoint(run_dir).name == "step_000006"
 
 
-# Kills M76 (config_checks.py validate: data.seq_len is not checked against our Llama's max_position_embeddings).
 def test_sequences_longer_than_the_model_s_context_are_a_config_error(corpus, tmp_path):
     """Only the --hf-model bound was tested: our Llama trained on sequences past its max_position_embeddings without
     a word, and its export claimed a context shorter than it was trained on."""
