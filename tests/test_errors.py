@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
-from _models import VOCAB, build, full_loss, make_batch
+from _models import VOCAB, build, full_loss, layer_ranges, make_batch
 from torch import nn
 
 import pipeline_parallel as pp
+from pipeline_parallel.models.decoder import check_shared_parameters
 
 TIMEOUT = 120
 CASE_TIMEOUT = 8  # a healthy case takes milliseconds; a rank stuck on a peer times out after this
@@ -719,3 +720,25 @@ def test_differences_names_four_keys_and_counts_the_rest():
     assert differences(ranks) == "a: 0 on rank 0, 1 on rank 1; b: 0 on rank 0, 1 on rank 1; " \
                                  "c: 0 on rank 0, 1 on rank 1; d: 0 on rank 0, 1 on rank 1; 1 more"
     assert differences(ranks[:1] * 2) == ""
+
+
+def test_a_head_with_fewer_rows_than_the_vocabulary_is_refused():
+    """The embedding holds every token but the LM head fewer: labels beyond its rows pass the input checks and
+    then fail inside the cross-entropy, so the pipeline names the head, whichever of the two is short."""
+    model = build("llama", 2)
+    model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size - 8, bias=False)
+    with pytest.raises(ValueError, match=r"config.vocab_size is 64 but lm_head has 56 rows"):
+        pp.Pipeline(model, num_microbatches=2, device="cpu")
+
+
+def test_a_tied_embedding_also_used_by_a_middle_stage_is_refused():
+    """A tied embedding and head may sit on the first and last stages (their gradients are added up), but a
+    layer of a middle stage holding the same matrix would update its own copy apart from the two ends."""
+    model = build("llama", 4, tie=True)
+    extra = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    extra.weight = model.model.embed_tokens.weight
+    model.model.layers[1].extra = extra  # layer 1: stage 1 of 3
+    check_shared_parameters(model, layer_ranges([1, 3]), hint="split otherwise")  # two stages: the ends only, allowed
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(stage 0\) and model.layers.1.extra.weight "
+                                         r"\(stage 1\) and lm_head.weight \(stage 2\) are one parameter, shared"):
+        check_shared_parameters(model, layer_ranges([1, 2, 1]), hint="split otherwise")

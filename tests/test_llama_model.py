@@ -196,3 +196,54 @@ def test_config_takes_numpy_floats():
     import numpy as np
 
     assert LlamaConfig(rms_norm_eps=np.float32(1e-5)).rms_norm_eps == np.float32(1e-5)
+
+
+@pytest.mark.parametrize("feature, value, message", [
+    ("attention_bias", True, "attention_bias"),
+    ("hidden_act", "gelu", "hidden_act other than silu"),
+    ("head_dim", 64, r"head_dim != hidden_size / num_attention_heads"),
+])
+def test_from_hf_config_rejects_each_feature_this_llama_lacks(feature, value, message):
+    """A Hugging Face Llama config with biases in attention, another activation or a head size of its own
+    describes another function than our Llama computes: converting it must fail, not build a model whose
+    weights load into another architecture (or fail to load far from the cause)."""
+    pytest.importorskip("transformers")
+    hf_cfg = tiny().to_hf_config()
+    setattr(hf_cfg, feature, value)
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf_config(hf_cfg)
+
+
+def test_generate_reads_the_last_max_position_embeddings_tokens():
+    """Past max_position_embeddings the context is cut to its last max_position_embeddings tokens, no fewer:
+    each greedy token is the argmax of the model on exactly those."""
+    model = LlamaForCausalLM(tiny(max_position_embeddings=8))
+    model.init_weights(seed=2)
+    ids = torch.randint(0, 256, (4, 11), generator=torch.Generator().manual_seed(0))
+    out = generate(model, ids, max_new_tokens=4, temperature=0)
+    want = ids
+    with torch.no_grad():
+        for _ in range(4):
+            next_id = model(want[:, -8:]).logits[:, -1].argmax(-1, keepdim=True)
+            want = torch.cat((want, next_id), dim=1)
+    assert torch.equal(out, want)
+
+
+def test_hf_parity_holds_with_trained_norms():
+    """Every norm weight starts at one, so the parity test above cannot tell the input norm of a layer from its
+    post-attention norm, nor either from none: after training they differ, and an exported checkpoint must
+    still compute in transformers what it computed here."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny()
+    model = LlamaForCausalLM(cfg)
+    model.init_weights(seed=1)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
+    hf = transformers.LlamaForCausalLM(cfg.to_hf_config()).eval()
+    hf.load_state_dict(model.state_dict(), strict=True)
+    input_ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, hf(input_ids).logits, atol=1e-5, rtol=0)

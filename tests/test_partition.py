@@ -177,3 +177,17 @@ def test_numpy_integers_are_layer_counts():
     np = pytest.importorskip("numpy")
     assert check_layer_counts([np.int64(5), np.int64(3)], 8, 2) == [5, 3]
     assert balanced_layer_counts(np.int64(8), np.int64(2)) == [4, 4]
+
+
+def test_estimate_costs_counts_each_matmul_of_a_layer():
+    """The multiply-adds per token the split balances, worked out by hand for a layer with grouped key/value
+    heads and a head size of its own (not hidden / heads, as Gemma's and Qwen 3's): q and o take every head,
+    k and v the key/value heads only, and attention over `seq_len` positions costs half of the full square
+    (causal). A term dropped or mistaken moves layers between stages without any test noticing otherwise."""
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             intermediate_size=128, vocab_size=100)
+    costs = estimate_costs(config, seq_len=16)
+    attention_weights = 64 * 32 * (4 + 4 + 2 + 2)  # q, o: 4 heads of 32; k, v: 2 heads of 32
+    mlp_weights = 3 * 64 * 128  # gate, up, down
+    attention_scores = (4 * 32 * 16 + 4 * 32 * 16) // 2  # QK^T and AV over 16 positions, the causal half
+    assert costs == StageCosts(layer=attention_weights + mlp_weights + attention_scores, embedding=64, head=64 * 100)

@@ -24,6 +24,7 @@ from _models import (assert_grads_close, build, enable_checkpointing, full_loss,
 import pipeline_parallel as pp
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.models.families import SUPPORTED_MODEL_TYPES, ForwardScales
+from pipeline_parallel.models.materialize import keep_local_part
 from pipeline_parallel.schedules.actions import input_of, result_of
 
 MAX_NORM = 0.05
@@ -806,3 +807,95 @@ def test_sequence_lengths_with_near_costs_share_one_plan(monkeypatch):
     counts = pp.balanced_layer_counts(8, 4, pp.estimate_costs(config, 2048))
     keys = {pipeline_module.planning_costs(config, counts, seq_len) for seq_len in range(1, 2049)}
     assert len(keys) == 53
+
+
+def _stages_in_turn(model, counts, x, head=True):
+    """What a pipeline of `counts` stages computes from `x`, in one process: each stage a copy of `model`
+    cut as its rank cuts it (`keep_local_part`), run by `DecoderParts` on the previous stage's output."""
+    ranges = layer_ranges(counts)
+    hidden = x
+    for stage, layers in enumerate(ranges):
+        first, last = stage == 0, stage == len(ranges) - 1
+        part = copy.deepcopy(model)
+        keep_local_part(part, layers, first, last)
+        hidden = DecoderParts.of(part, layers, first, last).forward(hidden, head=head)
+    return hidden
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "gemma3_text", "cohere2", "olmo3", "gpt_oss", "granite",
+                                        "hyperclovax", "afmoe", "cohere", "minicpm3", "mistral"])
+def test_stages_in_turn_compute_the_family_forward(model_type):
+    """The family tests run every layer on one stage; split in two, the second stage must still give each
+    layer the mask and rotary tables of its own kind (config.layer_types[i] of its index in the whole model,
+    not in the stage), and the first stage the embedding scale the family's forward applies (the last one
+    the logit scale), or a multi-rank run trains another function than the model's."""
+    if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
+        pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
+    model = _family(model_type, windows=True)  # layer 0 slides over 3 tokens, layer 1 attends to all
+    if model is None or not hasattr(model.model, "rotary_emb"):
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type} a stage runs")
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        want = model(x).logits
+        torch.testing.assert_close(_stages_in_turn(model, [1, 1], x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_stage_evaluates_without_embedding_dropout():
+    """StarCoder2's forward drops embeddings only in training: `evaluate` must give the eval-mode model's
+    loss, not a random one (the training test alone cannot tell dropout always on from dropout as asked)."""
+    model = _family("starcoder2", embedding_dropout=0.5).train()
+    x, y = make_batch(4, 8)
+    with torch.no_grad():
+        want = full_loss(copy.deepcopy(model).eval(), x, y).item()
+    pipe = pp.Pipeline(model, num_microbatches=1, device="cpu")
+    assert [pipe.evaluate(x, y) for _ in range(2)] == pytest.approx([want] * 2, abs=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["granite", "hyperclovax"])
+def test_embedding_multipliers_below_one_are_applied(model_type):
+    """The scale tests use multipliers above one; a multiplier below one (which shrinks the embeddings) must
+    be applied as well, or the stage trains a model with other embeddings than the family's."""
+    model = _family(model_type, embedding_multiplier=0.25)
+    parts = DecoderParts.of(model, range(2), first=True, last=True)
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(parts.forward(x), model(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])
+def test_each_layer_gets_the_positions_and_rotary_tables_its_family_forward_gives_it(model_type):
+    """The very position ids and (cos, sin) tables, not only ones that compute nearly the same: RoPE depends
+    on relative positions only, so positions shifted by one change the loss by rounding alone, yet rotary
+    scalings that read the positions (dynamic NTK, longrope) then compute another function. Gemma 3 gives
+    each layer the tables of its own kind."""
+    if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
+        pytest.skip("Gemma's layers take two rotary tables of their own before transformers 5")
+    model = _family(model_type, windows=model_type != "llama")
+    if model is None:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+    seen = []
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((kwargs["position_ids"], kwargs["position_embeddings"])), with_kwargs=True)
+        for layer in model.model.layers]
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        model(x)
+        DecoderParts.of(model, range(2), first=True, last=True).forward(x)
+    for hook in hooks:
+        hook.remove()
+    own, stage = seen[:2], seen[2:]
+    for index, ((want_ids, want_tables), (ids, tables)) in enumerate(zip(own, stage)):
+        assert torch.equal(ids.expand_as(want_ids), want_ids), f"layer {index}: position ids {ids}, not {want_ids}"
+        for got, want in zip(tables, want_tables):
+            assert torch.equal(got.expand_as(want), want), f"layer {index}: other rotary tables"
+
+
+def test_a_buffer_the_models_init_weights_does_not_make_is_refused():
+    """A Hugging Face model built on meta whose `_init_weights` leaves one of its buffers unmade: the buffer
+    holds whatever memory `to_empty` gave it, so the pipeline must refuse rather than train with it."""
+    with torch.device("meta"):
+        model = build("llama", 2, meta=True)
+        model.model.layers[1].mlp.register_buffer("scale", torch.ones(4), persistent=False)
+    with pytest.raises(ValueError, match=r"buffer model.layers.1.mlp.scale was on the meta device and the model's "
+                                         r"_init_weights does not compute it"):
+        pp.Pipeline(model, num_microbatches=2, device="cpu")
