@@ -856,6 +856,8 @@ def test_embedding_multipliers_below_one_are_applied(model_type):
     """The scale tests use multipliers above one; a multiplier below one (which shrinks the embeddings) must
     be applied as well, or the stage trains a model with other embeddings than the family's."""
     model = _family(model_type, embedding_multiplier=0.25)
+    if model is None:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
     parts = DecoderParts.of(model, range(2), first=True, last=True)
     x, _ = make_batch(4, 8)
     with torch.no_grad():
