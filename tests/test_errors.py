@@ -742,3 +742,75 @@ def test_a_tied_embedding_also_used_by_a_middle_stage_is_refused():
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(stage 0\) and model.layers.1.extra.weight "
                                          r"\(stage 1\) and lm_head.weight \(stage 2\) are one parameter, shared"):
         check_shared_parameters(model, layer_ranges([1, 2, 1]), hint="split otherwise")
+
+
+_OUTPUT_CHANGES = {"dtype": lambda out: out.to(torch.bfloat16), "shape": lambda out: out[:, :-1]}
+
+
+def _wrong_output_worker(rank, world_size, change):
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    pipe = pp.Pipeline(build("llama", 4), num_microbatches=2, device="cpu", group=group)
+    if rank == 0:  # the last layer of stage 0 hands on something else than the residual stream it got
+        last_layer = list(pipe.model.model.layers.values())[-1]
+        last_layer.register_forward_hook(
+            lambda module, args, out: (_OUTPUT_CHANGES[change](out[0]), *out[1:]) if isinstance(out, tuple)
+            else _OUTPUT_CHANGES[change](out))
+    x, y = make_batch(4, 6, num_microbatches=2)
+    try:
+        pipe.step(x, y)
+        return None
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("change", list(_OUTPUT_CHANGES))
+def test_a_stage_handing_on_another_dtype_or_shape_fails_every_rank_clearly(change):
+    """A stage whose output is not what the pipeline transfers (another dtype or shape): the step fails on every rank
+    with the runtime's clear error, before any transfer of the wrong tensor, and no rank hangs."""
+    said_0, said_1 = run_distributed(_wrong_output_worker, 2, change, timeout=120)
+    shape, dtype = ("6", "bfloat16") if change == "dtype" else ("5", "float32")
+    produced = (rf"stage 0 produced \(2, {shape}, 32\) torch\.{dtype} for microbatch 0, but the pipeline transfers "
+                r"\(2, 6, 32\) torch\.float32")
+    assert said_0 is not None and said_0[0] == "RuntimeError" and re.search(produced, said_0[1]), said_0
+    assert said_1 is not None and said_1[0] == "RuntimeError" and re.search(
+        r"pipeline rank 0 failed during the step \(RuntimeError: " + produced, said_1[1]), said_1
+
+
+def _fails_in_a_weight_pass_worker(rank, world_size):
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    model = build("llama", 4)
+    ref = copy.deepcopy(model)
+    # GPipe with every backward of the last stage split: it runs I1.1, I1.0, then W1.1, W1.0
+    pipe = pp.Pipeline(model, schedule="gpipe", num_microbatches=2, device="cpu", group=group, split=2)
+    program = [a for a in pipe.program if not a.kind.is_comm]
+    weight = next(p for n, p in pipe.named_parameters() if n.endswith("mlp.down_proj.weight"))
+
+    def fail_once(param):
+        handle.remove()
+        raise RuntimeError("boom in a weight pass")
+
+    handle = weight.register_post_accumulate_grad_hook(fail_once) if rank == world_size - 1 else None
+    x, y = make_batch(4, 6, num_microbatches=2)
+    with pytest.raises(RuntimeError) as raised:
+        pipe.step(x, y)
+    held_after_failure = pipe.stage.num_saved
+    pipe.zero_grad()
+    loss = pipe.step(x, y)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    ref_params = dict(ref.named_parameters())
+    diff = max((p.grad - ref_params[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    return program, str(raised.value), held_after_failure, loss, ref_loss.item(), diff, pipe.stage.num_saved
+
+
+def test_a_step_failing_in_a_weight_pass_keeps_no_microbatch():
+    """A step that fails in a weight pass (W) of a split backward on a later stage: every rank raises, and no rank
+    keeps a microbatch's activations (its saved graph, or a weight pass still pending) past the failed step."""
+    results = run_distributed(_fails_in_a_weight_pass_worker, 2, timeout=120)
+    (_, said_0, *_), (program_1, said_1, *_) = results
+    assert [a.kind.value for a in program_1][-2:] == ["W", "W"], program_1  # the failure leaves one W pending
+    assert said_1 == "boom in a weight pass"
+    assert re.search(r"pipeline rank 1 failed during the step \(RuntimeError: boom in a weight pass\)", said_0), said_0
+    for rank, (_, _, held, loss, ref_loss, diff, held_after) in enumerate(results):
+        assert held == 0, f"rank {rank} still holds {held} microbatches after the failed step"
+        assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and held_after == 0

@@ -191,3 +191,10 @@ def test_estimate_costs_counts_each_matmul_of_a_layer():
     mlp_weights = 3 * 64 * 128  # gate, up, down
     attention_scores = (4 * 32 * 16 + 4 * 32 * 16) // 2  # QK^T and AV over 16 positions, the causal half
     assert costs == StageCosts(layer=attention_weights + mlp_weights + attention_scores, embedding=64, head=64 * 100)
+
+
+@pytest.mark.parametrize("layers, stages, expected", [(5, 2, [3, 2]), (7, 2, [4, 3]), (3, 2, [2, 1])])
+def test_cost_balanced_ties_go_to_the_larger_earlier_stages(layers, stages, expected):
+    """Where two splits have the same costliest stage, the earlier stages take the extra layers (the even split's
+    rule), so the head's stage keeps the fewest."""
+    assert balanced_layer_counts(layers, stages, StageCosts(layer=1.0)) == expected

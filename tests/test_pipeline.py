@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import dataclasses
 import traceback
 from dataclasses import dataclass, field
@@ -901,3 +902,61 @@ def test_a_buffer_the_models_init_weights_does_not_make_is_refused():
     with pytest.raises(ValueError, match=r"buffer model.layers.1.mlp.scale was on the meta device and the model's "
                                          r"_init_weights does not compute it"):
         pp.Pipeline(model, num_microbatches=2, device="cpu")
+
+
+_REPLICA_GROUPS = ([0, 2], [1, 3])  # pp_rank != global rank in both, and the pipelines interleave
+
+
+def _replica_worker(rank, world_size):
+    groups = [dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=20)) for ranks in _REPLICA_GROUPS]
+    replica = next(i for i, ranks in enumerate(_REPLICA_GROUPS) if rank in ranks)
+    model = build("llama", 4, tie=True, seed=3)
+    # each replica its own batch, so a transfer or agreement crossing replicas shows in the numbers
+    x, y = make_batch(4, 6, seed=10 + replica, num_microbatches=2)
+    want_loss, want, ref = reference_step(model, x, y)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu", group=groups[replica], split=2)
+    loss = pipe.step(x, y)
+    got = grads(pipe.model)
+    assert_grads_close(got, want, set(got), what=f"replica {replica} rank {rank}")
+    norm = float(pipe.clip_grad_norm_(float("inf")))
+    want_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    # A bad batch in each replica: each raises its own replica's error, on both of its ranks
+    bad_x, bad_y = x.clone(), y.clone()
+    if replica == 0:
+        bad_y[0, 0] = 99
+    else:
+        bad_x[0, 0] = -1
+    try:
+        pipe.step(bad_x, bad_y)
+        said = None
+    except ValueError as e:
+        said = str(e)
+    return replica, loss, want_loss, norm, want_norm, said
+
+
+def test_pipelines_on_sub_groups_train_exactly_and_apart():
+    """Two pipelines side by side, each on a sub-group whose ranks are not its global ranks (one pipeline per
+    data-parallel replica, as PipeComm promises): each trains exactly on its own batch, and agrees only within
+    itself."""
+    results = run_distributed(_replica_worker, 4, timeout=120)
+    for replica, loss, want_loss, norm, want_norm, said in results:
+        assert loss == pytest.approx(want_loss, abs=1e-5), replica
+        assert norm == pytest.approx(want_norm, rel=1e-5), replica
+        expected = (r"pipeline rank 1: labels holds token IDs .* to 99" if replica == 0
+                    else r"pipeline rank 0: input_ids holds token IDs from -1")
+        assert said is not None and re.search(expected, said), (replica, said)
+    assert results[0][2] != pytest.approx(results[1][2]), "the replicas must train on different batches"
+
+
+def test_a_frozen_model_evaluates():
+    """A step of a model with nothing to train is refused; an evaluation of it is not (a frozen reference model)."""
+    model = build("llama", 4)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    for param in pipe.parameters():
+        param.requires_grad_(False)
+    x, y = make_batch(4, 6, num_microbatches=2)
+    with torch.no_grad():
+        want = full_loss(build("llama", 4), x, y).item()
+    assert pipe.evaluate(x, y) == pytest.approx(want, abs=1e-5)
+    with pytest.raises(RuntimeError, match="no parameter of the model requires grad"):
+        pipe.step(x, y)
