@@ -582,12 +582,26 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
 def test_the_readme_names_every_supported_family():
     """The README's count and list of model types are the table's (its count had stayed at 50 when 23 were added)."""
     import pathlib
-    import re
 
     docs = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())
     assert f"({len(SUPPORTED_MODEL_TYPES)} model types," in docs
     listed = re.search(r"the `model_type`s (.*?) \(`SUPPORTED_MODEL_TYPES`", docs)[1]
     assert set(re.split(r", | and ", listed)) == set(SUPPORTED_MODEL_TYPES)
+
+
+def _layer_inputs(model, *names):
+    """The keyword arguments `names` each decoder layer of a two-layer `model` gets, from the model's own forward
+    and from one stage holding the whole model: (own, stage), a tuple per layer in each."""
+    seen = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(tuple(kwargs[n] for n in names)),
+                                             with_kwargs=True) for layer in model.model.layers]
+    x, _ = make_batch(4, 8)
+    with torch.no_grad():
+        model(x)
+        DecoderParts.of(model, range(2), first=True, last=True).forward(x)
+    for hook in hooks:
+        hook.remove()
+    return seen[:2], seen[2:]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -596,17 +610,8 @@ def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attent
     """The very mask, not only one that computes the same: none where sdpa's is_causal serves (its fast
     kernels take no mask tensor), the same tensor where one is needed (eager, sliding windows)."""
     model = _family(model_type, windows=model_type != "llama", attn_implementation=attention)
-    seen = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["attention_mask"]),
-                                             with_kwargs=True) for layer in model.model.layers]
-    x, _ = make_batch(4, 8)
-    with torch.no_grad():
-        model(x)
-        DecoderParts.of(model, range(2), first=True, last=True).forward(x)
-    for hook in hooks:
-        hook.remove()
-    own, stage = seen[:2], seen[2:]
-    for index, (expected, got) in enumerate(zip(own, stage)):
+    own, stage = _layer_inputs(model, "attention_mask")
+    for index, ((expected,), (got,)) in enumerate(zip(own, stage)):
         assert (got is None) == (expected is None), f"layer {index}: mask {got} where the forward gives {expected}"
         if expected is not None:
             assert torch.equal(got, expected), f"layer {index}"
@@ -876,17 +881,7 @@ def test_each_layer_gets_the_positions_and_rotary_tables_its_family_forward_give
     model = _family(model_type, windows=model_type != "llama")
     if model is None:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
-    seen = []
-    hooks = [layer.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append((kwargs["position_ids"], kwargs["position_embeddings"])), with_kwargs=True)
-        for layer in model.model.layers]
-    x, _ = make_batch(4, 8)
-    with torch.no_grad():
-        model(x)
-        DecoderParts.of(model, range(2), first=True, last=True).forward(x)
-    for hook in hooks:
-        hook.remove()
-    own, stage = seen[:2], seen[2:]
+    own, stage = _layer_inputs(model, "position_ids", "position_embeddings")
     for index, ((want_ids, want_tables), (ids, tables)) in enumerate(zip(own, stage)):
         assert torch.equal(ids.expand_as(want_ids), want_ids), f"layer {index}: position ids {ids}, not {want_ids}"
         for got, want in zip(tables, want_tables):
