@@ -1172,7 +1172,7 @@ def test_the_eval_loss_is_the_token_mean_over_the_held_out_sequences(corpus, tmp
     held = prepare_data(tmp_path, cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=cfg.data.tokenizer,
                         eval_fraction=cfg.data.eval_fraction).eval  # the cached stream, split as the run split it
     rows = np.arange(len(held) if max_batches == 0 else max_batches * cfg.train.batch_size)
-    assert len(held) % cfg.train.batch_size == 3 and len(rows) < len(held) or max_batches == 0
+    assert len(held) % cfg.train.batch_size == 3 and (max_batches == 0 or len(rows) < len(held))
     sequences = held[rows]
     with torch.no_grad():
         logits = model(sequences[:, :-1]).logits
