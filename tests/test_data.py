@@ -526,7 +526,6 @@ def test_held_out_sequences_are_spread_evenly_through_the_data():
     assert len(held) == 30 and held[0] == 0 and set(np.diff(held).tolist()) == {33, 34}  # 1003 / 30 apart
 
 
-
 @pytest.mark.parametrize("template, starts, ends", [
     ("<s> $A " + EOS_TOKEN, ["<s>"], [EOS_TOKEN]),  # its own EOS ends the document: no second one
     ("$A <sep>", [], ["<sep>", EOS_TOKEN]),  # its separator stays, then EOS

@@ -32,7 +32,8 @@ MAX_NORM = 0.05
 TIMEOUT = 120
 CASE_TIMEOUT = 20  # seconds a rank waits on a peer within one case
 
-TRANSFORMERS_MAJOR = int(__import__("transformers").__version__.split(".")[0])
+TRANSFORMERS_VERSION = __import__("transformers").__version__
+TRANSFORMERS_MAJOR = int(TRANSFORMERS_VERSION.split(".")[0])
 
 
 @dataclass(frozen=True)
@@ -547,7 +548,7 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused, tested above)")
     model = _family(model_type, windows)
     if model is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type}")
     if not hasattr(model.model, "rotary_emb"):  # JetMoE before transformers 5 rotates inside each attention
         with pytest.raises(TypeError, match=r"is not a supported decoder-only causal LM: missing \['model.rotary_emb'\]"):
             pp.Pipeline(model, num_microbatches=2, device="cpu")
@@ -626,7 +627,7 @@ def test_families_that_scale_in_forward_get_their_scales(model_type):
     family test above shows them applied."""
     model = _family(model_type)
     if model is None or (model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5):
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type} a stage runs")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type} a stage runs")
     parts = DecoderParts.of(model, range(2), first=True, last=True)
     x, _ = make_batch(4, 8)
     with torch.no_grad():
@@ -731,7 +732,7 @@ def test_a_layer_kind_without_a_mask_of_ours_is_refused():
 def test_families_whose_forward_does_more_are_refused(model_type, extra, error, message):
     model = _family(model_type, **extra)
     if model is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type}")
     if not extra.get("output_router_logits"):  # the reason to refuse: forward computes more than the modules
         x, _ = make_batch(4, 8)
         with torch.no_grad():
@@ -815,7 +816,7 @@ def test_sequence_lengths_with_near_costs_share_one_plan(monkeypatch):
     assert len(keys) == 53
 
 
-def _stages_in_turn(model, counts, x, head=True):
+def _stages_in_turn(model, counts, x):
     """What a pipeline of `counts` stages computes from `x`, in one process: each stage a copy of `model`
     cut as its rank cuts it (`keep_local_part`), run by `DecoderParts` on the previous stage's output."""
     ranges = layer_ranges(counts)
@@ -824,7 +825,7 @@ def _stages_in_turn(model, counts, x, head=True):
         first, last = stage == 0, stage == len(ranges) - 1
         part = copy.deepcopy(model)
         keep_local_part(part, layers, first, last)
-        hidden = DecoderParts.of(part, layers, first, last).forward(hidden, head=head)
+        hidden = DecoderParts.of(part, layers, first, last).forward(hidden)
     return hidden
 
 
@@ -839,7 +840,7 @@ def test_stages_in_turn_compute_the_family_forward(model_type):
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
     model = _family(model_type, windows=True)  # layer 0 slides over 3 tokens, layer 1 attends to all
     if model is None or not hasattr(model.model, "rotary_emb"):
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type} a stage runs")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type} a stage runs")
     x, _ = make_batch(4, 8)
     with torch.no_grad():
         want = model(x).logits
@@ -863,7 +864,7 @@ def test_embedding_multipliers_below_one_are_applied(model_type):
     be applied as well, or the stage trains a model with other embeddings than the family's."""
     model = _family(model_type, embedding_multiplier=0.25)
     if model is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type}")
     parts = DecoderParts.of(model, range(2), first=True, last=True)
     x, _ = make_batch(4, 8)
     with torch.no_grad():
@@ -880,7 +881,7 @@ def test_each_layer_gets_the_positions_and_rotary_tables_its_family_forward_give
         pytest.skip("Gemma's layers take two rotary tables of their own before transformers 5")
     model = _family(model_type, windows=model_type != "llama")
     if model is None:
-        pytest.skip(f"transformers {__import__('transformers').__version__} has no {model_type}")
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type}")
     own, stage = _layer_inputs(model, "position_ids", "position_embeddings")
     for index, ((want_ids, want_tables), (ids, tables)) in enumerate(zip(own, stage)):
         assert torch.equal(ids.expand_as(want_ids), want_ids), f"layer {index}: position ids {ids}, not {want_ids}"

@@ -1224,7 +1224,6 @@ def test_optimizer_settings_out_of_range_are_config_errors(corpus, tmp_path, cha
         validate(make_cfg(tmp_path, corpus, **changes), 2)
 
 
-
 def test_a_run_with_export_at_end_off_exports_nothing(runs):
     """make_cfg turns the export off, and no test looked: the run exported anyway, replacing run_dir/export (an
     export the user made of another checkpoint, say) and taking the time and room of a whole model."""
