@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import math
+import operator
 from dataclasses import dataclass
 
 from ._checks import check_int, check_nonnegative, check_positive, is_int
@@ -51,8 +53,10 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     """Layers per stage, contiguous, each stage >= 1 layer, minimising the costliest stage.
 
     Stage 0 also pays `costs.embedding` and the last stage `costs.head`; without costs, the even
-    split (earlier stages take the remainder). Exact dynamic programme over split points:
-    O(num_stages * num_layers^2), instant for real models.
+    split (earlier stages take the remainder). Among splits with the same costliest stage, the one
+    whose next costliest stage is cheapest, and so on (7 equal layers on 3 stages: [3, 2, 2], not
+    [3, 3, 1]); then earlier stages take the extra layers, as in the even split. An exact dynamic
+    programme over split points, well under a second for real models.
     """
     num_layers, num_stages = _check_stage_count(num_layers, num_stages)
     if costs is not None and not isinstance(costs, StageCosts):
@@ -64,28 +68,23 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     # of two, so that every division is exact and the split is the one the costs themselves give.
     unit = 2.0 ** (math.frexp(max(costs.layer, costs.embedding, costs.head))[1] - 1)
 
-    def stage_cost(first: int, last: int, stage: int) -> float:
-        return _stage_cost(last - first, stage, num_stages, costs, unit)
-
-    # best[s][n]: (max stage cost, counts) for the first n layers over stages 0..s-1.
-    inf = float("inf")
-    best: list[list[tuple[float, tuple[int, ...]]]] = [[(inf, ())] * (num_layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, ())
-    for s in range(1, num_stages + 1):
-        for n in range(s, num_layers - (num_stages - s) + 1):
-            candidates = []
-            for k in range(s - 1, n):  # the last stage of this prefix takes layers k..n-1
-                prev_cost, prev_counts = best[s - 1][k]
-                if prev_cost == inf:
-                    continue
+    # best[n]: the best split of the first n layers over the stages placed so far, as (stage costs costliest
+    # first, counts). Splits compare by those costs (leximax), then by counts with earlier stages larger. Adding
+    # the same later stages to two splits keeps their order, so keeping only the best of each n is exact.
+    best: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] = {0: ((), ())}
+    for stage in range(num_stages):
+        placed: dict[int, tuple[tuple, tuple[int, ...]]] = {}
+        last_n = num_layers - (num_stages - stage - 1)  # leave a layer for each later stage
+        for k, (prev_costs, prev_counts) in best.items():
+            for n in range(k + 1, last_n + 1):  # this stage takes layers k..n-1
+                stage_costs_desc = list(prev_costs)
+                bisect.insort(stage_costs_desc, _stage_cost(n - k, stage, num_stages, costs, unit), key=operator.neg)
                 counts = prev_counts + (n - k,)
-                cost = max(prev_cost, stage_cost(k, n, s - 1))
-                # Ties go to the split whose earlier stages are larger, like the usual even split.
-                candidates.append((cost, tuple(-c for c in counts), counts))
-            if candidates:
-                cost, _, counts = min(candidates)
-                best[s][n] = (cost, counts)
-    return list(best[num_stages][num_layers][1])
+                key = (tuple(stage_costs_desc), tuple(-c for c in counts))
+                if n not in placed or key < placed[n][0]:
+                    placed[n] = (key, counts)
+        best = {n: (key[0], counts) for n, (key, counts) in placed.items()}
+    return list(best[num_layers][1])
 
 
 def stage_costs(layer_counts: list[int], costs: StageCosts) -> list[float]:

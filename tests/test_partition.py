@@ -1,11 +1,13 @@
 """Partition: even and cost-balanced layer splits, checked against brute force; no processes."""
 
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pipeline_parallel import StageCosts, balanced_layer_counts, estimate_costs
+from pipeline_parallel.models import LlamaConfig
 from pipeline_parallel.partition import check_layer_counts
 
 
@@ -16,11 +18,15 @@ def _compositions(n, k):
         yield [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _max_cost(counts, costs):
+def _costs_desc(counts, costs):
+    """The split's stage costs, costliest first."""
     last = len(counts) - 1
-    return max(c * costs.layer + (costs.embedding if s == 0 else 0) + (costs.head if s == last else 0)
-               for s, c in enumerate(counts))
+    return sorted((c * costs.layer + (costs.embedding if s == 0 else 0) + (costs.head if s == last else 0)
+                   for s, c in enumerate(counts)), reverse=True)
 
+
+def _max_cost(counts, costs):
+    return _costs_desc(counts, costs)[0]
 
 
 def _even(layers, stages):
@@ -79,13 +85,14 @@ def test_estimate_costs_on_hf_config():
     StageCosts(layer=1.0, embedding=0.0, head=100.0),
     StageCosts(layer=3.0, embedding=1.0, head=7.5),
 ])
-def test_cost_aware_split_minimises_the_costliest_stage(costs):
-    for layers in range(1, 9):
+def test_cost_aware_split_minimises_the_costliest_stage_then_the_next(costs):
+    """Brute force over every split: the costliest stage as cheap as can be, then the next costliest, and so on."""
+    for layers in range(1, 10):
         for stages in range(1, layers + 1):
             counts = balanced_layer_counts(layers, stages, costs)
             assert len(counts) == stages and sum(counts) == layers and min(counts) >= 1, (layers, stages, counts)
-            best = min(_max_cost(c, costs) for c in _compositions(layers, stages))
-            assert _max_cost(counts, costs) == pytest.approx(best), (layers, stages, counts)
+            best = min(_costs_desc(c, costs) for c in _compositions(layers, stages))
+            assert _costs_desc(counts, costs) == pytest.approx(best), (layers, stages, counts)
 
 
 def test_huge_head_still_leaves_one_layer_per_stage():
@@ -191,10 +198,25 @@ def test_estimate_costs_counts_each_matmul_of_a_layer():
     mlp_weights = 3 * 64 * 128  # gate, up, down
     attention_scores = (4 * 32 * 16 + 4 * 32 * 16) // 2  # QK^T and AV over 16 positions, the causal half
     assert costs == StageCosts(layer=attention_weights + mlp_weights + attention_scores, embedding=64, head=64 * 100)
+    longer = estimate_costs(config, seq_len=48)  # attention scores grow with the length, the weights do not
+    assert longer == StageCosts(layer=costs.layer + 3 * attention_scores - attention_scores, embedding=64, head=6400)
 
 
-@pytest.mark.parametrize("layers, stages, expected", [(5, 2, [3, 2]), (7, 2, [4, 3]), (3, 2, [2, 1])])
+@pytest.mark.parametrize("layers, stages, expected", [
+    (5, 2, [3, 2]), (7, 2, [4, 3]), (3, 2, [2, 1]), (7, 3, [3, 2, 2]), (10, 4, [3, 3, 2, 2]), (11, 3, [4, 4, 3]),
+])
 def test_cost_balanced_ties_go_to_the_larger_earlier_stages(layers, stages, expected):
-    """Where two splits have the same costliest stage, the earlier stages take the extra layers (the even split's
-    rule), so the head's stage keeps the fewest."""
+    """Equal layers and free ends give the even split: of the splits with the same costliest stage, the one whose
+    next costliest is cheapest ([3, 2, 2], not [3, 3, 1]), then the earlier stages take the extra layers, so the
+    head's stage keeps the fewest."""
     assert balanced_layer_counts(layers, stages, StageCosts(layer=1.0)) == expected
+
+
+
+def test_a_deep_model_on_many_stages_is_split_evenly_around_its_ends():
+    """The README's example: the `8b` preset (32 layers, a 128k-vocabulary head) on 8 stages. Splits with the
+    same costliest stage of 5 layers differ elsewhere: [4, 5, 5, 5, 5, 5, 2, 1] held it as well, leaving the
+    head's stage one layer and five stages the most; the stages after the costliest now share the rest."""
+    costs = estimate_costs(LlamaConfig.from_preset("8b"))
+    assert balanced_layer_counts(32, 8, costs) == [4, 5, 5, 4, 4, 4, 4, 2]
+    assert "32 layers on 8 stages: [4, 5, 5, 4, 4, 4, 4, 2]" in (Path(__file__).parents[1] / "README.md").read_text()
