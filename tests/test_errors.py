@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 import types
 from datetime import timedelta
 
@@ -463,6 +464,8 @@ def _worker(rank, world_size, names, table):
     results = {}
     for name in names:
         fn = table[name][0]
+        # should the whole run time out, the last such line per rank names the case its stack dump is in
+        print(f"rank {rank}: case {name}", file=sys.stderr, flush=True)
         dist.barrier()  # on the default group (long timeout): wait for ranks still timing out in the last case
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT))
         try:
