@@ -247,7 +247,9 @@ class _WeightPass:
     meets the activations (a hook on a norm's output): autograd runs it when the node runs, so it
     would run again, on what it already changed, when the weight pass restarts autograd there; nor
     where saved tensors went through hooks, which every backward call runs again (non-reentrant
-    checkpointing would recompute a layer's forward, and fire its hooks, once per weight group).
+    checkpointing would recompute a layer's forward, and fire its hooks, once per weight group; its
+    `GraphExecGroup`, which recomputes once, refuses two backward calls that unpack the same saved
+    activation, as both passes do at a node where a weight meets the activations).
     """
 
     def __init__(self, params: list[torch.nn.Parameter]):
