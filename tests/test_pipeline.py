@@ -900,6 +900,26 @@ def test_a_buffer_the_models_init_weights_does_not_make_is_refused():
         pp.Pipeline(model, num_microbatches=2, device="cpu")
 
 
+
+def test_a_buffer_given_values_on_a_model_built_on_meta_keeps_them():
+    """DeepSeek V3 built on meta, its router's correction bias given values (read from a checkpoint, say, as the
+    refusal above asks): the Pipeline makes the weights and keeps the bias. Allocating the model discarded it
+    (uninitialised memory on transformers 4.55) and transformers 5's `_init_weights` overwrote it with zeros."""
+    import transformers
+
+    model = _family("deepseek_v3")
+    if model is None:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no deepseek_v3")
+    config = model.config
+    config.first_k_dense_replace = 1  # layer 1 routes its tokens to experts, with the bias
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    bias = torch.arange(config.n_routed_experts) * 0.5 - 0.25
+    model.model.layers[1].mlp.gate.e_score_correction_bias = bias.clone()
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    assert torch.equal(pipe.model.model.layers["1"].mlp.gate.e_score_correction_bias, bias)
+    assert math.isfinite(pipe.step(*make_batch(4, 8, num_microbatches=2)))
+
 _REPLICA_GROUPS = ([0, 2], [1, 3])  # pp_rank != global rank in both, and the pipelines interleave
 
 

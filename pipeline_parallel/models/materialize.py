@@ -52,8 +52,18 @@ def weights_on_meta(model: nn.Module) -> bool:
 
 def _meta_buffers(model: nn.Module) -> list[str]:
     """The names of the model's buffers on the meta device, other than the rotary tables."""
+    return [name for name, b in _non_rotary_buffers(model) if b.is_meta]
+
+
+def _given_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the buffers the caller gave values (a router's bias read from a checkpoint, say), other than the
+    rotary tables: `to_empty` would discard them and `_init_weights` overwrite them."""
+    return {name: b.detach().clone() for name, b in _non_rotary_buffers(model) if not b.is_meta}
+
+
+def _non_rotary_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     rotary = {id(b) for _, module in _rotaries(model) for b in module.buffers()}
-    return [name for name, b in model.named_buffers() if b.is_meta and id(b) not in rotary]
+    return [(name, b) for name, b in model.named_buffers() if id(b) not in rotary]
 
 
 def _rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -77,15 +87,15 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     each parameter from (seed, name) and Hugging Face models each module with their own
     `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
     input/output embeddings stay one matrix. With `init_weights=False` (a checkpoint will fill the
-    weights) only the modules holding a buffer on meta are initialised, for that buffer.
-    Rotary tables on meta are recomputed, since they are buffers no checkpoint holds.
+    weights) only the modules holding a buffer on meta are initialised, for that buffer. Buffers
+    given values keep them; rotary tables on meta are recomputed (buffers no checkpoint holds).
     """
     inner = model.model
     weights_made = weights_on_meta(model)
     if weights_made:
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
-        buffers = _meta_buffers(model)
+        buffers, given = _meta_buffers(model), _given_buffers(model)
         model.to_empty(device=device)  # unties shared parameters
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
@@ -106,6 +116,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
                     if not any(module is m for m in skip):
                         torch.manual_seed(seed_for_name(seed, name))
                         model._init_weights(module)
+            for name, value in given.items():
+                model.get_buffer(name).copy_(value)
         missed = [name for name in buffers if model.get_buffer(name).isnan().any()]
         if missed:
             raise ValueError(f"buffer {missed[0]} was on the meta device and the model's _init_weights does not "
