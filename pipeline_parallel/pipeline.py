@@ -129,7 +129,12 @@ class Pipeline:
         holds_tied_end = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
-        materialize(model, self.device, seed)
+        error = None
+        try:  # a buffer the model cannot make shows on the rank holding it: every rank raises, none waits for it
+            materialize(model, self.device, seed)
+        except (TypeError, ValueError) as e:
+            error = e
+        agree_on_settings(self.comm, {}, call="Pipeline()", local_error=error)
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)

@@ -87,6 +87,14 @@ def _partly_on_meta():
     return model
 
 
+def _unmade_buffer_in_the_last_layer():
+    """On meta, with a buffer `_init_weights` does not make in the last layer: only the last rank finds it."""
+    with torch.device("meta"):
+        model = build("llama", 4, meta=True)
+        model.model.layers[3].mlp.register_buffer("scale", torch.ones(4), persistent=False)
+    return model
+
+
 def _replaced_head(group, replace: bool):
     pipe = _pipe(group)
     if replace:
@@ -189,6 +197,10 @@ PIPELINE_CASES = {
     "partly-on-meta": (lambda r, w, g: pp.Pipeline(_partly_on_meta(), device="cpu", group=g, num_microbatches=2),
                        ValueError, r"1 of the model's \d+ parameters are on the meta device \(e.g. "
                        r"model.layers.1.mlp.up_proj.weight\) but the rest hold values"),
+    # found while the last rank made its part, after the others had agreed and gone on to wait for it
+    "unmade-buffer-on-the-last-rank": (lambda r, w, g: pp.Pipeline(_unmade_buffer_in_the_last_layer(), device="cpu",
+                                                                   group=g, num_microbatches=2), ValueError,
+                                       r"pipeline rank 1: buffer model.layers.3.mlp.scale was on the meta device"),
     "meta-on-rank-0-only": (lambda r, w, g: pp.Pipeline(build("llama", 4, meta=r == 0), device="cpu", group=g,
                                                         num_microbatches=2), ValueError,
                             r"ranks disagree on 'weights_on_meta'"),
