@@ -106,6 +106,18 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
         state[name].copy_(handle.get_tensor(source))
 
 
+@torch.no_grad()
+def load_hf_buffers(model: nn.Module, path: str | Path) -> None:
+    """Give the buffers of a model built on meta that the files at `path` hold their values there (a router's
+    correction bias, say), for `Pipeline` to keep where the model's `_init_weights` cannot make them (DeepSeek V3's
+    on transformers 4.55). Buffers are small: every rank reads them all, before the model is split."""
+    on_meta = {name: b for name, b in model.named_buffers() if b.is_meta}
+    for name, (source, handle) in _hf_tensors(model, path).items():
+        if name in on_meta:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, handle.get_tensor(source).to(on_meta[name].dtype))
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory: `path` itself, or the latest checkpoint of the run directory `path`."""
     path = Path(path)

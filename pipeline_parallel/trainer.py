@@ -21,7 +21,8 @@ from .comm import PipeComm
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
 from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_dict, keep_run_tokenizer, load_hf_weights
+from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_dict, keep_run_tokenizer, load_hf_buffers,
+                     load_hf_weights)
 from .launch import join_group, setup_device, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
@@ -114,6 +115,8 @@ class Trainer:
                  f"{len(self.data.train):,} train and {len(self.data.eval):,} held-out sequences of "
                  f"{cfg.data.seq_len} tokens, vocabulary {tok.vocab_size:,}")
 
+        if cfg.hf_model:  # before the pipeline makes what no file gives: its own weights are loaded once it is built
+            load_hf_buffers(model, cfg.hf_model)
         autocast = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.pipe = Pipeline(model, cfg.pipeline.schedule, cfg.pipeline.num_microbatches,
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,

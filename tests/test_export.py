@@ -668,6 +668,39 @@ def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_l
     assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unscaled) > 1e-3
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) >= 5,
+                    reason="transformers 5 fuses DeepSeek V3's experts in memory, which --hf-model refuses")
+def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_path):
+    """DeepSeek V3's router picks experts by their scores plus a correction bias, a buffer its files hold and
+    transformers 4's `_init_weights` does not make (the run was refused as holding one it cannot make): a run
+    from its files on 2 ranks reads it there and starts from the loss of its own forward, bias and all."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.DeepseekV3Config(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=tok.eos_id, pad_token_id=0)
+    torch.manual_seed(0)
+    original = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in original.named_parameters():  # large enough for the choice of experts to matter
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+        original.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([1.0, -1.0, 0.0, 0.5]))
+    hf_dir = save_hf_model(original, tok, tmp_path / "deepseek")
+    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
+    cfg.data.tokenizer = ""
+    first_loss = run_distributed(_first_loss, 2, cfg)[0]
+    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
+                        eval_fraction=cfg.data.eval_fraction)
+    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    with torch.no_grad():
+        want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
+        original.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
+        unbiased = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
+    assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unbiased) > 1e-3, (first_loss, want, unbiased)
+
+
 @pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                     reason="Gemma trains on transformers 5, whose embedding module scales")
 def test_a_gemma_run_loads_with_its_embedding_scale(corpus, tmp_path):
