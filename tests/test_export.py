@@ -673,7 +673,8 @@ def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_l
 def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_path):
     """DeepSeek V3's router picks experts by their scores plus a correction bias, a buffer its files hold and
     transformers 4's `_init_weights` does not make (the run was refused as holding one it cannot make): a run
-    from its files on 2 ranks reads it there and starts from the loss of its own forward, bias and all."""
+    from its files on 2 ranks reads it there and starts from the loss of its own forward, bias and all, and its
+    checkpoint loads with the bias for export (it was refused as a buffer left unmade)."""
     tok = load_tokenizer(corpus[1])
     config = transformers.DeepseekV3Config(
         vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -686,7 +687,8 @@ def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_
         for name, p in original.named_parameters():  # large enough for the choice of experts to matter
             if "norm" not in name:
                 p.normal_(0, 0.2)
-        original.model.layers[1].mlp.gate.e_score_correction_bias.copy_(torch.tensor([1.0, -1.0, 0.0, 0.5]))
+        bias = torch.tensor([1.0, -1.0, 0.0, 0.5])
+        original.model.layers[1].mlp.gate.e_score_correction_bias.copy_(bias)
     hf_dir = save_hf_model(original, tok, tmp_path / "deepseek")
     cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
     cfg.data.tokenizer = ""
@@ -699,6 +701,8 @@ def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_
         original.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
         unbiased = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unbiased) > 1e-3, (first_loss, want, unbiased)
+    trained, _ = load_full_model(tmp_path / "run")  # as export and sampling load it, the bias from the checkpoint
+    assert torch.equal(trained.model.layers[1].mlp.gate.e_score_correction_bias, bias)
 
 
 @pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,

@@ -87,7 +87,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     each parameter from (seed, name) and Hugging Face models each module with their own
     `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
     input/output embeddings stay one matrix. With `init_weights=False` (a checkpoint will fill the
-    weights) only the modules holding a buffer on meta are initialised, for that buffer. Buffers
+    weights and the buffers it holds) only the modules holding a buffer on meta that no checkpoint
+    holds are initialised, for that buffer. Buffers
     given values keep them; rotary tables on meta are recomputed (buffers no checkpoint holds).
     """
     inner = model.model
@@ -96,6 +97,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
         buffers, given = _meta_buffers(model), _given_buffers(model)
+        loaded = set() if init_weights else set(model.state_dict())  # the checkpoint's, such as a router's bias
         model.to_empty(device=device)  # unties shared parameters
         if tied:
             model.lm_head.weight = inner.embed_tokens.weight
@@ -104,7 +106,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
                 if model.get_buffer(name).is_floating_point():
                     model.get_buffer(name).fill_(float("nan"))
             if not init_weights:  # only what computes a buffer no checkpoint holds, such as Gemma's scale
-                owners = {name.rpartition(".")[0] for name in buffers}
+                owners = {name.rpartition(".")[0] for name in buffers if name not in loaded}
                 for name, module in model.named_modules():
                     if name in owners and hasattr(model, "_init_weights"):
                         model._init_weights(module)
@@ -118,7 +120,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
                         model._init_weights(module)
             for name, value in given.items():
                 model.get_buffer(name).copy_(value)
-        missed = [name for name in buffers if model.get_buffer(name).isnan().any()]
+        missed = [name for name in buffers if name not in loaded and model.get_buffer(name).isnan().any()]
         if missed:
             raise ValueError(f"buffer {missed[0]} was on the meta device and the model's _init_weights does not "
                              "compute it; give the model with its buffers allocated")
