@@ -108,9 +108,9 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
 
 @torch.no_grad()
 def load_hf_buffers(model: nn.Module, path: str | Path) -> None:
-    """Give the buffers of a model built on meta that the files at `path` hold their values there (a router's
+    """Fill the buffers on meta of a model built there with the values the files at `path` hold (a router's
     correction bias, say), for `Pipeline` to keep where the model's `_init_weights` cannot make them (DeepSeek V3's
-    on transformers 4.55). Buffers are small: every rank reads them all, before the model is split."""
+    on transformers 4). Buffers are small: every rank reads them all, before the model is split."""
     on_meta = {name: b for name, b in model.named_buffers() if b.is_meta}
     for name, (source, handle) in _hf_tensors(model, path).items():
         if name in on_meta:

@@ -88,8 +88,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     `_init_weights` seeded from (seed, name), so weights do not depend on the pipeline split; tied
     input/output embeddings stay one matrix. With `init_weights=False` (a checkpoint will fill the
     weights and the buffers it holds) only the modules holding a buffer on meta that no checkpoint
-    holds are initialised, for that buffer. Buffers
-    given values keep them; rotary tables on meta are recomputed (buffers no checkpoint holds).
+    holds are initialised, for that buffer. Buffers given values keep them; rotary tables on meta
+    are recomputed (buffers no checkpoint holds).
     """
     inner = model.model
     weights_made = weights_on_meta(model)
