@@ -602,6 +602,17 @@ def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
 
 
+def _run_from(hf_dir, corpus, tmp_path, **overrides):
+    """A run from the model files in `hf_dir` with their own tokenizer, on 2 ranks (one step unless `overrides`
+    say otherwise): its first loss, and the batch that loss is of."""
+    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0, **overrides})
+    cfg.data.tokenizer = ""  # the model directory's own tokenizer
+    first_loss = run_distributed(_first_loss, 2, cfg)[0]
+    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
+                        eval_fraction=cfg.data.eval_fraction)
+    return first_loss, next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+
+
 def test_train_from_hf_model(corpus, tmp_path):
     """--hf-model: a Qwen2 (attention biases) starts from its weights on 2 ranks and exports back,
     keeping its own special tokens and generation config."""
@@ -615,14 +626,8 @@ def test_train_from_hf_model(corpus, tmp_path):
     hf_dir = save_hf_model(original, tok, tmp_path / "qwen")
     transformers.GenerationConfig(bos_token_id=5, eos_token_id=[tok.eos_id, 9], temperature=0.6,
                                   do_sample=True).save_pretrained(hf_dir)
-    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 2, "export.at_end": True,
-                                                                       "export.sample_tokens": 0})
-    cfg.data.tokenizer = ""  # the model directory's own tokenizer
-    first_loss = run_distributed(_first_loss, 2, cfg)[0]
-
-    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
-                        eval_fraction=cfg.data.eval_fraction)
-    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    first_loss, (inputs, labels) = _run_from(hf_dir, corpus, tmp_path, **{
+        "train.max_steps": 2, "eval.interval": 3, "export.at_end": True, "export.sample_tokens": 0})
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert first_loss == pytest.approx(want, abs=1e-5)
@@ -654,13 +659,7 @@ def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_l
                                         bos_token_id=1, eos_token_id=tok.eos_id, pad_token_id=0)
     torch.manual_seed(0)
     original = transformers.GraniteForCausalLM(config).eval()
-    hf_dir = save_hf_model(original, tok, tmp_path / "granite")
-    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
-    cfg.data.tokenizer = ""
-    first_loss = run_distributed(_first_loss, 2, cfg)[0]
-    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
-                        eval_fraction=cfg.data.eval_fraction)
-    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    first_loss, (inputs, labels) = _run_from(save_hf_model(original, tok, tmp_path / "granite"), corpus, tmp_path)
     with torch.no_grad():
         logits = original(inputs).logits
         want = F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
@@ -689,13 +688,7 @@ def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_
                 p.normal_(0, 0.2)
         bias = torch.tensor([1.0, -1.0, 0.0, 0.5])
         original.model.layers[1].mlp.gate.e_score_correction_bias.copy_(bias)
-    hf_dir = save_hf_model(original, tok, tmp_path / "deepseek")
-    cfg = hf_cfg(tmp_path / "run", corpus, hf_dir, **{"train.max_steps": 1, "eval.interval": 0})
-    cfg.data.tokenizer = ""
-    first_loss = run_distributed(_first_loss, 2, cfg)[0]
-    data = prepare_data(tmp_path / "data", cfg.data.path, seq_len=cfg.data.seq_len, tokenizer=hf_dir,
-                        eval_fraction=cfg.data.eval_fraction)
-    inputs, labels = next(TokenBatches(data.train, cfg.train.batch_size, cfg.seed))
+    first_loss, (inputs, labels) = _run_from(save_hf_model(original, tok, tmp_path / "deepseek"), corpus, tmp_path)
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
         original.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
