@@ -901,6 +901,14 @@ def test_a_buffer_the_models_init_weights_does_not_make_is_refused():
 
 
 
+def test_a_weight_two_layers_share_stays_one_on_a_model_built_on_meta():
+    """Allocating a model built on meta gave each use of a shared weight a Parameter of its own: two layers of
+    one stage that share a weight trained two, silently (only a tied embedding and head were tied again)."""
+    model = build("llama", 4, meta=True)
+    model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
+    layers = pp.Pipeline(model, num_microbatches=2, device="cpu").model.model.layers
+    assert layers["0"].mlp.up_proj.weight is layers["1"].mlp.up_proj.weight
+
 def test_a_buffer_given_values_on_a_model_built_on_meta_keeps_them():
     """DeepSeek V3 built on meta, its router's correction bias given values (read from a checkpoint, say, as the
     refusal above asks): the Pipeline makes the weights and keeps the bias. Allocating the model discarded it

@@ -66,6 +66,14 @@ def _non_rotary_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, b) for name, b in model.named_buffers() if id(b) not in rotary]
 
 
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules use (a tied embedding and head, a weight two layers share)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def _rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's rotary embedding, and the other modules of its type: before transformers 5 some families
     (StableLM, Qwen2-MoE) give each attention a copy that their forward does not call. Tables no checkpoint
@@ -96,11 +104,13 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     if weights_made:
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
-        buffers, given = _meta_buffers(model), _given_buffers(model)
+        buffers, given, shared = _meta_buffers(model), _given_buffers(model), _shared_parameters(model)
         loaded = set() if init_weights else set(model.state_dict())  # the checkpoint's, such as a router's bias
-        model.to_empty(device=device)  # unties shared parameters
-        if tied:
-            model.lm_head.weight = inner.embed_tokens.weight
+        model.to_empty(device=device)  # makes each use of a shared parameter one of its own: tie them again
+        for first, *others in shared:
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
         with torch.no_grad(), _random_state_kept():
             for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
                 if model.get_buffer(name).is_floating_point():
