@@ -1,4 +1,4 @@
-"""Hugging Face interchange: start a stage from HF weights, and export a checkpoint as one HF model.
+"""Export a checkpoint as one Hugging Face model (`hf_weights.py` starts a stage from one).
 
     python -m pipeline_parallel.export runs/tiny [--out DIR] [--dtype bf16]
 
@@ -52,70 +52,6 @@ def hf_config_dict(model: nn.Module, eos_id: int, bos_id: int | None = None) -> 
     if own or not (eos == eos_id or (isinstance(eos, list) and eos_id in eos)):
         config.eos_token_id, config.bos_token_id = eos_id, eos_id if bos_id is None else bos_id
     return json.loads(config.to_json_string())
-
-
-def _hf_tensors(model: nn.Module, path: str | Path) -> dict[str, tuple[str, object]]:
-    """Where in the `*.safetensors` files at `path` each of `model`'s tensors is: name -> (name in the
-    files, open file). A tied LM head missing from the files is the embedding. Raises if any is missing
-    or of another shape than the model's (read from the files' headers)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
-                                "save_pretrained(safe_serialization=True)")
-    from safetensors import safe_open
-
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    found, missing = {}, []
-    for name in model.state_dict():
-        source = name if name in where else "model.embed_tokens.weight" if name == "lm_head.weight" else None
-        if source in where:
-            found[name] = (source, where[source])
-        else:
-            missing.append(name)
-    if missing:
-        raise ValueError(
-            f"{path} lacks {len(missing)} of the {type(model).__name__} weights, e.g. {missing[:2]}, where its files "
-            f"hold e.g. {sorted(set(where) - {s for s, _ in found.values()})[:2]}: files whose layout transformers "
-            "converts while loading (as for the MoE families on transformers 5, whose experts it fuses) cannot be "
-            "read by name; give a model whose files name its weights as the model does")
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    for name, (source, handle) in found.items():
-        shape = tuple(handle.get_slice(source).get_shape())
-        if shape != shapes[name]:
-            raise ValueError(f"{path}: {source} has shape {shape}, the model {shapes[name]} (from config.json): "
-                             "give the config.json saved with these weights")
-    return found
-
-
-def check_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Raise unless the files at `path` hold every weight of `model` under its name and in its shape
-    (reads headers only)."""
-    _hf_tensors(model, path)
-
-
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy the weights of the local HF model at `path` into `model` (a full model or one stage).
-
-    Reads only the tensors this stage owns from the `*.safetensors` files, so no rank holds the
-    whole model. A tied LM head missing from the files takes the embedding.
-    """
-    state = model.state_dict()
-    for name, (source, handle) in _hf_tensors(model, path).items():
-        state[name].copy_(handle.get_tensor(source))
-
-
-@torch.no_grad()
-def load_hf_buffers(model: nn.Module, path: str | Path) -> None:
-    """Fill the buffers on meta of a model built there with the values the files at `path` hold (a router's
-    correction bias, say), for `Pipeline` to keep where the model's `_init_weights` cannot make them (DeepSeek V3's
-    on transformers 4). Buffers are small: every rank reads them all, before the model is split."""
-    on_meta = {name: b for name, b in model.named_buffers() if b.is_meta}
-    for name, (source, handle) in _hf_tensors(model, path).items():
-        if name in on_meta:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, handle.get_tensor(source).to(on_meta[name].dtype))
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -21,8 +21,8 @@ from .comm import PipeComm
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
 from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
-from .export import (EXPORT_DIR, check_hf_weights, check_replaceable, hf_config_dict, keep_run_tokenizer, load_hf_buffers,
-                     load_hf_weights)
+from .export import EXPORT_DIR, check_replaceable, hf_config_dict, keep_run_tokenizer
+from .hf_weights import check_hf_weights, load_hf_buffers, load_hf_weights
 from .launch import join_group, setup_device, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters

@@ -531,20 +531,21 @@ def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus,
 
 
 def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_data(corpus, tmp_path):
-    """Transformers 5 fuses Mixtral's experts in memory but saves them one by one: loading by name
-    cannot work, so the run stops at once (transformers 4 names them alike, and the run starts)."""
-    config = transformers.MixtralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
-    model = transformers.MixtralForCausalLM(config)
-    model.save_pretrained(tmp_path / "mixtral")
-    from safetensors import safe_open
+    """Files that hold a weight under a name neither the model nor transformers' conversion knows (here one
+    renamed after saving): the run stops at once, naming the weight and what the files hold instead."""
+    from safetensors.torch import load_file, save_file
 
-    with safe_open(str(tmp_path / "mixtral" / "model.safetensors"), framework="pt") as f:
-        if set(f.keys()) == set(model.state_dict()):
-            pytest.skip(f"transformers {transformers.__version__} saves Mixtral under its own names")
-    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "mixtral")
-    with pytest.raises(ConfigError, match=r"hf_model: .*mixtral lacks \d+ of the MixtralForCausalLM weights, e.g. "
-                                          r".*converts while loading"):
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    weights = tmp_path / "llama" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.gate.weight"] = tensors.pop("model.layers.1.mlp.gate_proj.weight")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"hf_model: .*llama lacks 1 of the LlamaForCausalLM weights, e.g. "
+                                          r"\['model.layers.1.mlp.gate_proj.weight'\], where its files hold e.g. "
+                                          r"\['model.layers.1.mlp.gate.weight'\], which neither name them nor"):
         Trainer(cfg)
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
@@ -600,6 +601,18 @@ def test_an_export_names_its_rotary_base_where_transformers_4_reads_it(corpus, t
 
 def _first_loss(rank, world_size, cfg):
     return _fit(rank, world_size, cfg)[0]["loss"]
+
+
+def _saved_by_transformers(model, tok, out):
+    """`model` in `out` with `tok`, its weights as `save_pretrained` writes them: each expert of a MoE a tensor
+    of its own, where transformers 5 holds them fused (as an export of ours writes them)."""
+    save_hf_model(model, tok, out)
+    model.save_pretrained(out)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert any(".experts.0." in name for name in f.keys()), "no expert saved on its own"
+    return out
 
 
 def _run_from(hf_dir, corpus, tmp_path, **overrides):
@@ -667,13 +680,28 @@ def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_l
     assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unscaled) > 1e-3
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) >= 5,
-                    reason="transformers 5 fuses DeepSeek V3's experts in memory, which --hf-model refuses")
+def test_a_mixtral_run_starts_from_the_loss_of_its_files(corpus, tmp_path):
+    """Mixtral's experts: transformers 5 fuses them in memory into one tensor per layer and kind, but saves them
+    one by one (as transformers 4 holds them). A run from its files on 2 ranks reads each expert where it lies
+    and starts from the loss of the model's own forward."""
+    tok = load_tokenizer(corpus[1])
+    config = transformers.MixtralConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                        bos_token_id=1, eos_token_id=tok.eos_id, pad_token_id=0)
+    torch.manual_seed(0)
+    original = transformers.MixtralForCausalLM(config).eval()
+    first_loss, (inputs, labels) = _run_from(_saved_by_transformers(original, tok, tmp_path / "mixtral"), corpus, tmp_path)
+    with torch.no_grad():
+        want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
+    assert first_loss == pytest.approx(want, abs=1e-5)
+
+
 def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_path):
     """DeepSeek V3's router picks experts by their scores plus a correction bias, a buffer its files hold and
     transformers 4's `_init_weights` does not make (the run was refused as holding one it cannot make): a run
-    from its files on 2 ranks reads it there and starts from the loss of its own forward, bias and all, and its
-    checkpoint loads with the bias for export (it was refused as a buffer left unmade)."""
+    from its files on 2 ranks reads it there (and its experts, which transformers 5 fuses) and starts from the
+    loss of its own forward, bias and all, and its checkpoint loads with the bias for export."""
     tok = load_tokenizer(corpus[1])
     config = transformers.DeepseekV3Config(
         vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -688,7 +716,7 @@ def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_
                 p.normal_(0, 0.2)
         bias = torch.tensor([1.0, -1.0, 0.0, 0.5])
         original.model.layers[1].mlp.gate.e_score_correction_bias.copy_(bias)
-    first_loss, (inputs, labels) = _run_from(save_hf_model(original, tok, tmp_path / "deepseek"), corpus, tmp_path)
+    first_loss, (inputs, labels) = _run_from(_saved_by_transformers(original, tok, tmp_path / "deepseek"), corpus, tmp_path)
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
         original.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
