@@ -80,10 +80,11 @@ def _sources(model: nn.Module, path: str | Path) -> _Sources:
     missing = [name for name in missing if name not in converted]
     if missing:
         used = {s for s, _ in by_name.values()} | {s for names in converted.values() for s in names}
-        raise ValueError(
-            f"{path} lacks {len(missing)} of the {type(model).__name__} weights, e.g. {missing[:2]}, where its files "
-            f"hold e.g. {sorted(set(where) - used)[:2]}, which neither name them nor are what transformers makes "
-            "them of; give the files saved with this model's config.json")
+        unused = sorted(set(where) - used)[:2]
+        instead = f" (they hold e.g. {unused} instead)" if unused else ""
+        raise ValueError(f"{path} lacks {len(missing)} of the {type(model).__name__} weights, e.g. {missing[:2]}: its "
+                         f"files neither name them nor hold what transformers makes them of{instead}; give the files "
+                         "saved with this model's config.json")
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     for name, (source, handle) in by_name.items():
         shape = tuple(handle.get_slice(source).get_shape())
@@ -108,12 +109,24 @@ def _converted(model: nn.Module, where: dict, missing: list[str]) -> tuple[dict[
         wanted, state = set(missing), model.state_dict()
         converted: dict[str, list[str]] = {}
         for source in where:
-            target, _ = rename_source_key(source, renamings, converters, model.base_model_prefix, state)
-            if target in wanted:
-                converted.setdefault(target, []).append(source)
+            target, pattern = rename_source_key(source, renamings, converters, model.base_model_prefix, state)
+            for name in [target, *_split_siblings(target, pattern, converters)]:
+                if name in wanted:
+                    converted.setdefault(name, []).append(source)
     except (ImportError, AttributeError, TypeError):  # transformers 4, or a model it converts nothing of
         return {}, []
     return converted, mapping
+
+
+def _split_siblings(target: str, pattern: str | None, converters: list) -> list[str]:
+    """The other tensors a converter splits one of the files' into (a fused qkv into q, k and v), which transformers
+    names after the first only: `target` with its first target pattern replaced by each other one."""
+    for converter in converters:
+        if pattern is not None and pattern in converter.source_patterns and len(converter.target_patterns) > 1:
+            first, *others = converter.target_patterns
+            head, found, tail = target.rpartition(first)
+            return [head + other + tail for other in others] if found else []
+    return []
 
 
 def _load_converted(model: nn.Module, sources: _Sources, path) -> None:

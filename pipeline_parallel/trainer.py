@@ -27,6 +27,7 @@ from .launch import join_group, setup_device, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
 from .models.families import check_layout, hf_float32
+from .models.materialize import params_to_meta
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume
@@ -42,7 +43,7 @@ def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True)
-        return transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
+        return params_to_meta(transformers.AutoModelForCausalLM.from_config(config, **hf_float32()))
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading

@@ -544,8 +544,9 @@ def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_da
     save_file(tensors, weights, metadata={"format": "pt"})
     cfg = hf_cfg(tmp_path / "run", corpus, tmp_path / "llama")
     with pytest.raises(ConfigError, match=r"hf_model: .*llama lacks 1 of the LlamaForCausalLM weights, e.g. "
-                                          r"\['model.layers.1.mlp.gate_proj.weight'\], where its files hold e.g. "
-                                          r"\['model.layers.1.mlp.gate.weight'\], which neither name them nor"):
+                                          r"\['model.layers.1.mlp.gate_proj.weight'\]: its files neither name them "
+                                          r"nor hold what transformers makes them of \(they hold e.g. "
+                                          r"\['model.layers.1.mlp.gate.weight'\] instead\); give the files saved"):
         Trainer(cfg)
     assert not list((tmp_path / "run").glob("tokens-*")), "refused before preparing the data"
 
@@ -605,13 +606,9 @@ def _first_loss(rank, world_size, cfg):
 
 def _saved_by_transformers(model, tok, out):
     """`model` in `out` with `tok`, its weights as `save_pretrained` writes them: each expert of a MoE a tensor
-    of its own, where transformers 5 holds them fused (as an export of ours writes them)."""
+    of its own, where transformers 5 holds them fused (and an export of ours writes them so)."""
     save_hf_model(model, tok, out)
     model.save_pretrained(out)
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert any(".experts.0." in name for name in f.keys()), "no expert saved on its own"
     return out
 
 
@@ -680,18 +677,32 @@ def test_a_run_from_a_family_that_scales_in_forward_starts_from_that_forward_s_l
     assert first_loss == pytest.approx(want, abs=1e-5) and abs(want - unscaled) > 1e-3
 
 
-def test_a_mixtral_run_starts_from_the_loss_of_its_files(corpus, tmp_path):
+_SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, bos_token_id=1, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "diffllama"])
+def test_a_run_from_the_files_of_starts_from_the_loss_of_the_model_s_forward(family, corpus, tmp_path):
     """Mixtral's experts: transformers 5 fuses them in memory into one tensor per layer and kind, but saves them
-    one by one (as transformers 4 holds them). A run from its files on 2 ranks reads each expert where it lies
-    and starts from the loss of the model's own forward."""
+    one by one (as transformers 4 holds them), so they cannot be read by name. DiffLlama draws weights in its
+    __init__ outside the meta device the run builds the model on (its lambdas), which made the run take it for a
+    model partly loaded. A run from the files on 2 ranks starts from the loss of the model's own forward."""
     tok = load_tokenizer(corpus[1])
-    config = transformers.MixtralConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                                        bos_token_id=1, eos_token_id=tok.eos_id, pad_token_id=0)
     torch.manual_seed(0)
-    original = transformers.MixtralForCausalLM(config).eval()
-    first_loss, (inputs, labels) = _run_from(_saved_by_transformers(original, tok, tmp_path / "mixtral"), corpus, tmp_path)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, num_local_experts=4,
+                                            num_experts_per_tok=2, **_SMALL)
+        original = transformers.MixtralForCausalLM(config).eval()
+    else:
+        config = transformers.DiffLlamaConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **_SMALL)
+        original = transformers.DiffLlamaForCausalLM(config).eval()
+    hf_dir = _saved_by_transformers(original, tok, tmp_path / family)
+    if family == "mixtral":
+        from safetensors import safe_open
+
+        with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
+            assert any(".experts.0." in name for name in f.keys()), "each expert in a tensor of its own"
+    first_loss, (inputs, labels) = _run_from(hf_dir, corpus, tmp_path)
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert first_loss == pytest.approx(want, abs=1e-5)

@@ -25,7 +25,7 @@ from _models import (assert_grads_close, build, enable_checkpointing, full_loss,
 import pipeline_parallel as pp
 from pipeline_parallel.models.decoder import DecoderParts
 from pipeline_parallel.models.families import SUPPORTED_MODEL_TYPES, ForwardScales
-from pipeline_parallel.models.materialize import keep_local_part
+from pipeline_parallel.models.materialize import keep_local_part, materialize
 from pipeline_parallel.schedules.actions import input_of, result_of
 
 MAX_NORM = 0.05
@@ -908,6 +908,33 @@ def test_a_weight_two_layers_share_stays_one_on_a_model_built_on_meta():
     model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
     layers = pp.Pipeline(model, num_microbatches=2, device="cpu").model.model.layers
     assert layers["0"].mlp.up_proj.weight is layers["1"].mlp.up_proj.weight
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral", "sarvam_moe"])
+def test_a_stage_reads_the_weights_transformers_converts_from_its_files(model_type, tmp_path):
+    """Files as `save_pretrained` writes them, which transformers 5 converts while loading: each expert a tensor of
+    its own where it holds them fused (Qwen2-MoE, Mixtral), and Sarvam-MoE's attention one fused q, k and v where
+    it holds three. Each of two stages of the model built on meta reads its own tensors, converted as transformers
+    does, and holds exactly the model's."""
+    import transformers
+
+    from pipeline_parallel.hf_weights import check_hf_weights, load_hf_weights
+
+    model = _family(model_type)
+    if model is None:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no {model_type}")
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        on_meta = transformers.AutoModelForCausalLM.from_config(model.config)
+    check_hf_weights(on_meta, tmp_path)
+    want = model.state_dict()
+    for stage, layers in enumerate(layer_ranges([1, 1])):
+        part = copy.deepcopy(on_meta)
+        keep_local_part(part, layers, stage == 0, stage == 1)
+        materialize(part, torch.device("cpu"))
+        load_hf_weights(part, tmp_path)
+        for name, tensor in part.state_dict().items():
+            assert torch.equal(tensor, want[name]), name
+
 
 def test_a_buffer_given_values_on_a_model_built_on_meta_keeps_them():
     """DeepSeek V3 built on meta, its router's correction bias given values (read from a checkpoint, say, as the

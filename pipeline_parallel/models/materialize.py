@@ -50,6 +50,20 @@ def weights_on_meta(model: nn.Module) -> bool:
     return bool(on_meta)
 
 
+def params_to_meta(model: nn.Module) -> nn.Module:
+    """`model` with every parameter on the meta device: for a model built there whose family makes some outside
+    it (DiffLlama's lambdas, drawn by `torch.normal`), and whose weights will all come from a seed or files.
+    Shared parameters stay shared."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                setattr(module, name, moved[id(param)])
+    return model
+
+
 def _meta_buffers(model: nn.Module) -> list[str]:
     """The names of the model's buffers on the meta device, other than the rotary tables."""
     return [name for name, b in _non_rotary_buffers(model) if b.is_meta]
