@@ -149,8 +149,8 @@ def _load_converted(model: nn.Module, sources: _Sources, path) -> None:
         setattr(model.get_submodule(owner), attr, tensor)
     unmade = [name for name, tensor in own.items() if tensor.isnan().any()]
     if unmade:
-        raise ValueError(f"{path}: transformers did not make {unmade[0]} of {sources.converted[unmade[0]][:2]}...; "
-                         "give a model whose files name its weights as the model does")
+        raise ValueError(f"{path}: transformers did not make {unmade[0]} of the files' {sources.converted[unmade[0]][:2]}"
+                         "...: are their shapes those config.json gives? Give the files saved with this config.json")
 
 
 @contextlib.contextmanager

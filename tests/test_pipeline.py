@@ -936,6 +936,27 @@ def test_a_stage_reads_the_weights_transformers_converts_from_its_files(model_ty
             assert torch.equal(tensor, want[name]), name
 
 
+def test_experts_of_other_shapes_than_the_config_gives_are_refused(tmp_path):
+    """Experts saved one by one, for a config.json whose experts are twice as wide: transformers 5 leaves the
+    fused tensors unmade (it only logs), so the load must refuse rather than train with what they held (as it
+    refuses an expert of another shape read by name under transformers 4)."""
+    import transformers
+
+    from pipeline_parallel.hf_weights import load_hf_weights
+
+    model = _family("qwen2_moe")
+    model.save_pretrained(tmp_path)
+    model.config.moe_intermediate_size *= 2
+    with torch.device("meta"):
+        wider = transformers.AutoModelForCausalLM.from_config(model.config)
+    materialize(wider, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"transformers did not make model.layers.0.mlp.experts.\w+ of the files' "
+                                         r"\['model.layers.0.mlp.experts.0.\w+.weight'.*are their shapes those "
+                                         r"config.json gives|model.layers.0.mlp.experts.0.\w+.weight has shape "
+                                         r"\(\d+, 32\), the model \(\d+, 32\) \(from config.json\)"):
+        load_hf_weights(wider, tmp_path)
+
+
 def test_a_buffer_given_values_on_a_model_built_on_meta_keeps_them():
     """DeepSeek V3 built on meta, its router's correction bias given values (read from a checkpoint, say, as the
     refusal above asks): the Pipeline makes the weights and keeps the bias. Allocating the model discarded it
