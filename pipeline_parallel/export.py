@@ -24,8 +24,8 @@ from torch import nn
 
 from ._files import replace_dir, temporary_dir
 from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
-from .models.families import hf_config, hf_float32, with_rope_keys_of_transformers_4
-from .models.materialize import materialize
+from .models.families import hf_config, with_rope_keys_of_transformers_4
+from .models.materialize import hf_model_on_meta, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from .tokenizer_identity import loads_differently, tokenizer_differences, tokenizer_record
 
@@ -130,13 +130,10 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     Built as the matching `transformers` class (our Llama's parameter names are Hugging Face's).
     Under torch.distributed, pass a process group holding only this rank.
     """
-    import transformers
-
     checkpoint = resolve_checkpoint(path)
     tokenizer = run_tokenizer(checkpoint)  # found missing or replaced now, not after loading the model
     config = hf_config(read_extra(checkpoint)["model_config"])
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
+    model = hf_model_on_meta(config)
     materialize(model, torch.device("cpu"), init_weights=False)  # the buffers no checkpoint holds
     logger = logging.getLogger("pipeline_parallel.checkpoint")
     level = logger.level
@@ -185,6 +182,7 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # Hugging Face re-ties it on load
+    state = _as_transformers_saves(model, state)
     # Written last, the weights name every file of the export: a later export replaces only those.
     files = sorted([entry.name for entry in tmp.iterdir()] + [WEIGHTS_FILE])
     # The tokenizer it was exported with, which `export_tokenizer` checks: in the metadata, where transformers ignores it.
@@ -192,6 +190,16 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / HF_CONFIG).stat().st_mode))
+
+
+def _as_transformers_saves(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` in the layout `save_pretrained` writes: transformers 5 fuses some weights in memory (the experts of
+    a MoE) that it saves, and other tools and transformers 4 read, one by one."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 holds them as it saves them
+        return state
+    return {name: tensor.contiguous() for name, tensor in revert_weight_conversion(model, state).items()}
 
 
 def _keeps_special_tokens(config, source: Path) -> bool:

@@ -26,8 +26,8 @@ from .hf_weights import check_hf_weights, load_hf_buffers, load_hf_weights
 from .launch import join_group, setup_device, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
-from .models.families import check_layout, hf_float32
-from .models.materialize import params_to_meta
+from .models.families import check_layout
+from .models.materialize import hf_model_on_meta
 from .optim import build_optimizer, lr_at, scale_grads_, set_hyperparameters, set_lr
 from .pipeline import Pipeline
 from .resume import as_resume_error, check_resumable, checkpoint_to_resume
@@ -37,13 +37,12 @@ from .tokenizer_identity import tokenizer_record
 
 def build_model(cfg: Config, vocab_size: int) -> torch.nn.Module:
     """The full model on the meta device (no memory): our Llama, or the architecture of --hf-model."""
-    with torch.device("meta"):
-        if not cfg.hf_model:
+    if not cfg.hf_model:
+        with torch.device("meta"):
             return LlamaForCausalLM(llama_config(cfg, vocab_size))
-        import transformers
+    import transformers
 
-        config = transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True)
-        return params_to_meta(transformers.AutoModelForCausalLM.from_config(config, **hf_float32()))
+    return hf_model_on_meta(transformers.AutoConfig.from_pretrained(cfg.hf_model, local_files_only=True))
 
 
 _DATA_FAULTS = (ValueError, OSError, ImportError)  # what bad data, paths or settings raise while reading

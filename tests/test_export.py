@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from _dist import run_distributed
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from test_train import _fit, _losses, make_cfg
 
 from pipeline_parallel import export as export_module
@@ -205,9 +207,6 @@ def test_export_replaces_only_an_earlier_export(trained, tmp_path, capsys):
     (out / "notes.md").unlink()
     assert export(run_dir, out)[0] == out
     # An export from before the weights named their files: its notes were taken for its own, and deleted.
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
     save_file(tensors, str(out / "model.safetensors"), {k: v for k, v in metadata.items() if k != "files"})
@@ -386,9 +385,6 @@ def test_generate_refuses_an_export_whose_tokenizer_is_not_the_one_it_was_export
     """An export recorded no tokenizer, so generate sampled with whatever tokenizer files lay in it. It records the
     tokenizer in its weights' metadata, which transformers does not read: one replaced since is refused, one
     with the same vocabulary that tokenizes otherwise is told so, and an export that recorded none is taken."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
     run_dir, cfg = trained
     out, _, tokenizer = export(run_dir, tmp_path / "hf")
     assert load_model(out)[1].fingerprint() == tokenizer.fingerprint()
@@ -533,8 +529,6 @@ def test_an_hf_model_of_an_unsupported_family_is_refused_before_the_data(corpus,
 def test_an_hf_model_whose_files_name_weights_otherwise_is_refused_before_the_data(corpus, tmp_path):
     """Files that hold a weight under a name neither the model nor transformers' conversion knows (here one
     renamed after saving): the run stops at once, naming the weight and what the files hold instead."""
-    from safetensors.torch import load_file, save_file
-
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
@@ -698,14 +692,20 @@ def test_a_run_from_the_files_of_starts_from_the_loss_of_the_model_s_forward(fam
         original = transformers.DiffLlamaForCausalLM(config).eval()
     hf_dir = _saved_by_transformers(original, tok, tmp_path / family)
     if family == "mixtral":
-        from safetensors import safe_open
-
         with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:
             assert any(".experts.0." in name for name in f.keys()), "each expert in a tensor of its own"
-    first_loss, (inputs, labels) = _run_from(hf_dir, corpus, tmp_path)
+    first_loss, (inputs, labels) = _run_from(hf_dir, corpus, tmp_path, **{"export.at_end": True,
+                                                                         "export.sample_tokens": 0})
     with torch.no_grad():
         want = F.cross_entropy(original(inputs).logits.flatten(0, 1), labels.flatten()).item()
     assert first_loss == pytest.approx(want, abs=1e-5)
+    # the export writes the weights as transformers saves them (each expert on its own), and loads as trained
+    with safe_open(str(tmp_path / "run" / "export" / "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(load_file(hf_dir / "model.safetensors"))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export").eval()
+    trained, _ = load_full_model(tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(inputs).logits, trained(inputs).logits, atol=0, rtol=0)
 
 
 def test_a_deepseek_v3_run_starts_with_the_router_bias_of_its_files(corpus, tmp_path):
@@ -839,8 +839,6 @@ def test_a_bf16_export_holds_the_checkpoint_s_weights_rounded_to_bf16(trained, t
     """--dtype bf16 is checked only for its messages: an export that wrote float32 weights under a config.json that
     says bfloat16 took twice the room asked for. Each tensor is the checkpoint's, rounded to bf16, and the tied LM
     head is left to be tied again."""
-    from safetensors.torch import load_file
-
     run_dir, _ = trained
     out, model, _ = export(run_dir, tmp_path / "hf", dtype="bf16")
     saved, full = load_file(str(out / "model.safetensors")), model.state_dict()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .families import check_layout, is_hf_config
+from .families import check_layout, hf_float32, is_hf_config
 from .llama import seed_for_name
 
 
@@ -50,11 +50,14 @@ def weights_on_meta(model: nn.Module) -> bool:
     return bool(on_meta)
 
 
-def params_to_meta(model: nn.Module) -> nn.Module:
-    """`model` with every parameter on the meta device: for a model built there whose family makes some outside
-    it (DiffLlama's lambdas, drawn by `torch.normal`), and whose weights will all come from a seed or files.
-    Shared parameters stay shared."""
-    moved: dict[int, nn.Parameter] = {}
+def hf_model_on_meta(config) -> nn.Module:
+    """The Hugging Face model of `config` on the meta device, in float32, every parameter there: some families
+    make some outside it (DiffLlama's lambdas, drawn by `torch.normal`), which would pass for loaded weights."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, **hf_float32())
+    moved: dict[int, nn.Parameter] = {}  # shared parameters stay shared
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if not param.is_meta:
