@@ -109,9 +109,11 @@ def stop_signals_raise():
 
 def _on_signal(signum, frame) -> None:
     # A second signal (torchrun hands on the Ctrl-C a rank got too, then sends SIGTERM) must not cut the
-    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning).
+    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning). One
+    # the launcher ignores stays SIG_IGN, which the processes started later inherit.
     for each in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(each, _ignore)
+        if signal.getsignal(each) != signal.SIG_IGN:
+            signal.signal(each, _ignore)
     _stops.append(Interrupted(signum))
     raise _stops[0]
 

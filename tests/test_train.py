@@ -25,14 +25,16 @@ import torch.nn.functional as F
 from _dist import _free_port, run_distributed
 
 from pipeline_parallel import checkpoint as ckpt
-from pipeline_parallel._dir_lock import lock_dir
+from pipeline_parallel._dir_lock import lock_dir, unlock_dir
 from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.config import KEYS, ConfigError, OptimConfig, load_config, parse_args, to_toml, with_overrides
 from pipeline_parallel.config_checks import validate
 from pipeline_parallel.data import prepare_data
 from pipeline_parallel.export import load_full_model
+from pipeline_parallel.launch import Interrupted, stop_asked, stop_signals_raise
 from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
 from pipeline_parallel.optim import build_optimizer
+from pipeline_parallel.resume import RunComplete
 from pipeline_parallel.tokenizer import load_tokenizer
 from pipeline_parallel.train import main, run
 from pipeline_parallel.trainer import CheckpointNotSaved, Trainer, TrainingDiverged
@@ -101,6 +103,12 @@ def test_config_errors(tmp_path, corpus):
     assert parse_args(["--optim.grad_clip", "0.5", "--optim.grad-clip", "2"]).optim.grad_clip == 2.0  # the later
     with pytest.raises(ConfigError, match="must be int"):
         parse_args(["--train.batch_size", "eight"])
+    # TOML's true is no count, nor 1 a switch (bool is an int to Python: isinstance would take the one for the other).
+    for text, message in (("[train]\nbatch_size = true\n", "'train.batch_size' must be int, got True"),
+                          ("[log]\nplot = 1\n", "'log.plot' must be bool, got 1")):
+        toml.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(toml)
     # An infinite lr or eps passed the range checks: the first turned the weights to NaN in the first update,
     # the second silently froze training. An lr beyond float32 failed on every rank in the optimizer's first step.
     for args in (["--optim.lr", "inf"], ["--optim.eps", "-inf"], ["--export.temperature", "1e400"],
@@ -142,7 +150,12 @@ def test_config_errors(tmp_path, corpus):
                                 ("export.top_k", -3, "export.top_k must be >= 0"),
                                 ("data.vocab_size", 10, "data.vocab_size must be at least 257"),
                                 ("data.tokenizer_train_chars", 0, "data.tokenizer_train_chars must be >= 1"),
+                                ("data.seq_len", 0, "data.seq_len must be >= 1, got 0"),
+                                ("export.sample_tokens", -1, "export.sample_tokens must be >= 0, got -1"),
                                 ("optim.lr_decay_steps", 1, "optim.lr_decay_steps 1 must come after"),
+                                ("optim.lr_decay_steps", 2, "optim.lr_decay_steps 2 must come after optim.warmup_steps 2"),
+                                ("optim.beta1", 1.0, r"need 0 <= optim.beta1, beta2 < 1"),
+                                ("data.eval_fraction", 1.0, r"data.eval_fraction must be in \[0, 1\), got 1.0"),
                                 ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
                                 ("seed", 2**64, r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
                                 ("num_threads", 2**31, r"num_threads 2147483648 is more than torch can set \(at most "
@@ -150,6 +163,9 @@ def test_config_errors(tmp_path, corpus):
                                 ("run_dir", " ", "run_dir is empty")):  # it wrote the run into the current directory
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
+    # The bounds themselves are settings that work: a constant lr, a model exactly the tokenizer's size.
+    validate(with_overrides(cfg, **{"optim.min_lr": cfg.optim.lr}), 1)
+    validate(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 320}), 1)
     # With hf_model the shape is the model's own: a preset, like any model.* key, would be ignored.
     import transformers
 
@@ -163,6 +179,7 @@ def test_config_errors(tmp_path, corpus):
     transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=64).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"data.seq_len 128 exceeds the max_position_embeddings 64 of hf_model"):
         validate(from_hf, 2)
+    validate(with_overrides(from_hf, **{"data.seq_len": 64}), 2)  # the whole context is a sequence it takes
     # A config.json that says no number of layers, or is no JSON object, is named (they raised KeyError and
     # JSONDecodeError): GPT-2's counts its layers as n_layer.
     config_json = tmp_path / "hf" / "config.json"
@@ -181,6 +198,12 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     cfg = parse_args(["--config", str(toml), "--optim.min-lr=0.5", "--log.plot", "false", "--resume"])
     assert (cfg.optim.lr, cfg.optim.min_lr, cfg.data.path, cfg.pipeline.layer_counts) == (1.0, 0.5, ["one.txt"], [1, 3])
     assert (cfg.log.plot, cfg.resume, cfg.run_dir) == (False, "latest", "r")
+    # The command line overrides the file, and takes a shell's yes / no and none for a key that may be unset.
+    toml.write_text('[optim]\nlr = 1\n[model]\nvocab_size = 512\n[log]\nplot = false\ntensorboard = true\n')
+    cfg = parse_args(["--config", str(toml), "--optim.lr", "2", "--model.vocab-size", "none", "--log.plot", "yes",
+                      "--log.tensorboard", "no"])
+    assert (cfg.optim.lr, cfg.model.vocab_size, cfg.log.plot, cfg.log.tensorboard) == (2.0, None, True, False)
+    toml.write_text('run_dir = "r"\n[optim]\nlr = 1\n[data]\npath = "one.txt"\n[pipeline]\nlayer_counts = [1, 3]\n')
     # A bare flag also sets a key that may be None; text outside the BMP survives the saved TOML.
     cfg = parse_args(["--model.tie-word-embeddings", "--export.prompt", "# \U0001F40D\x7f def", "--train.max_steps", "5"])
     assert (cfg.model.tie_word_embeddings, cfg.train.max_steps) == (True, 5)
@@ -239,6 +262,25 @@ def test_more_processes_on_a_node_than_gpus_is_a_config_error(monkeypatch, tmp_p
                                               r"2 and has 1: launch at most 1 per node \(torchrun --nproc-per-node 1\), "
                                               "or set device = cpu"):
             launch.join_group(make_cfg(tmp_path, corpus, device=device))  # before any rank waits on another
+    # As many GPUs as processes: each takes the one of its local rank.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for device in ("auto", "cuda"):
+        assert launch.setup_device(make_cfg(tmp_path, corpus, device=device)) == torch.device("cuda", 1)
+
+
+def test_each_rank_on_the_cpu_takes_its_share_of_the_node_s_cores_unless_num_threads_is_set(monkeypatch, tmp_path,
+                                                                                             corpus):
+    """Ranks that each take every core of their node slow each other down; more ranks than cores still need one
+    thread each (torch refuses 0)."""
+    from pipeline_parallel import launch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    for local_ranks, num_threads, threads in (("4", 0, 2), ("16", 0, 1), ("4", 3, 3)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+        cfg = make_cfg(tmp_path, corpus, device="cpu", num_threads=num_threads)
+        assert launch.setup_device(cfg) == torch.device("cpu") and torch.get_num_threads() == threads, local_ranks
 
 
 def _hold_run_dir(run_dir, held, release):
@@ -279,6 +321,19 @@ def test_a_run_directory_another_run_holds_is_refused_until_that_run_ends(tmp_pa
     assert _lock_from_another_process(tmp_path / "run") == "locked"  # let go once the run finished
 
 
+def test_a_process_that_let_go_of_its_run_directory_holds_it_again_for_its_next_run(tmp_path):
+    """Runs one after another in one process (a notebook): the second must hold the directory as the first did,
+    not take it for held still."""
+    lock_dir(tmp_path)
+    unlock_dir(tmp_path)
+    assert _lock_from_another_process(tmp_path) == "locked"
+    lock_dir(tmp_path)
+    try:
+        assert f"is in use by another run (pid {os.getpid()} on" in _lock_from_another_process(tmp_path)
+    finally:
+        unlock_dir(tmp_path)
+
+
 def test_configs_and_docs_cover_every_key():
     for toml in sorted((ROOT / "configs").glob("*.toml")):
         validate(load_config(toml), 2)
@@ -304,6 +359,38 @@ def test_main_reports_config_errors(capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         main(["--train.batch_size", "6"])
     assert capsys.readouterr().err.startswith("error: train.batch_size 6 is not divisible")
+
+
+def test_only_rank_0_prints_how_the_run_ended_but_every_rank_tells_torchrun(monkeypatch, capsys, tmp_path):
+    """Every rank ends alike, so rank 0 alone prints how (the line once, not once per rank); torchrun's report names
+    whichever rank it finds failed first, so every rank writes the error for it. A setting to fix exits 2, any
+    other failure 1."""
+    import pipeline_parallel.train as train
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr(train, "world_size", lambda: 2)
+    failures = ((ConfigError("train.batch_size 6 is not divisible by pipeline.num_microbatches 4"), 2),
+                (TrainingDiverged("step 3: loss nan, gradient norm nan"), 1))  # 1: no setting to fix
+
+    def raises(error):
+        def run(cfg):
+            raise error
+        return run
+
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setattr(train, "run", raises(RunComplete("the run is complete")))
+        main([])  # returns: exit code 0
+        assert capsys.readouterr().out == ("the run is complete\n" if rank == 0 else "")
+        for error, code in failures:
+            monkeypatch.setattr(train, "run", raises(error))
+            with pytest.raises(SystemExit) as exit_info:
+                main([])
+            assert exit_info.value.code == code
+            assert capsys.readouterr().err == (f"error: {error}\n" if rank == 0 else "")
+            assert json.loads(error_file.read_text())["message"]["message"] == f"error: {error}"
+            error_file.unlink()
 
 
 def test_a_stop_signal_while_failing_reports_the_failure(monkeypatch, capsys, terminal_signals):
@@ -389,13 +476,15 @@ def _main_where_rank_1_misses_a_file(rank, world_size, run_dir):
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
         main(["--run-dir", run_dir, "--train.max_steps", "4", "--optim.warmup_steps", "2"])
-    return exit_info.value.code, stderr.getvalue()
+    return exit_info.value.code, stderr.getvalue(), dist.is_initialized()
 
 
 def test_a_check_that_fails_on_one_rank_stops_every_rank_and_is_printed(tmp_path):
-    """Rank 1 used to stop alone and silently (only rank 0 prints), leaving rank 0 to wait for it."""
-    (code0, said0), (code1, said1) = run_distributed(_main_where_rank_1_misses_a_file, 2, str(tmp_path), timeout=30)
-    assert (code0, code1, said1) == (2, 2, "")
+    """Rank 1 used to stop alone and silently (only rank 0 prints), leaving rank 0 to wait for it. main leaves
+    the process group it found (one its caller made) to its caller."""
+    (code0, said0, kept0), (code1, said1, kept1) = run_distributed(_main_where_rank_1_misses_a_file, 2, str(tmp_path),
+                                                                   timeout=30)
+    assert (code0, code1, said1, kept0, kept1) == (2, 2, "", True, True)
     assert said0 == "error: rank 1: hf_model /models/mine is not a directory\n", said0
 
 
@@ -415,6 +504,32 @@ def _stop_by_signal(signum):
     time.sleep(10)  # the signal's handler raises before this ends
 
 
+def test_the_first_stop_signal_raises_once_and_a_signal_the_launcher_ignores_stays_ignored(terminal_signals):
+    """torchrun hands on the Ctrl-C a rank got, then sends SIGTERM: the second must not cut the clean-up of the
+    first short. SIGINT ignored (a job started with `&` or nohup) stays so. A stop an earlier run in the process
+    got is not this run's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with stop_signals_raise():
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        with pytest.raises(Interrupted):  # and after a stop too, for the processes started later to inherit
+            _stop_by_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with stop_signals_raise():
+        with pytest.raises(Interrupted) as stop:
+            _stop_by_signal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGINT)  # the second signal (its handler runs before this returns)
+        except Interrupted:
+            pytest.fail("the second stop signal raised again, cutting the clean-up of the first short")
+        assert stop.value.signum == signal.SIGTERM and stop_asked() is stop.value
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == \
+        (signal.default_int_handler, signal.SIG_DFL)
+    with stop_signals_raise():
+        assert stop_asked() is None
+
+
 def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp_path, monkeypatch, capsys,
                                                                        terminal_signals):
     """Ctrl-C or SIGTERM used to end each rank with a traceback (about 100 lines under torchrun)."""
@@ -423,6 +538,7 @@ def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp
     latest = str(runs[0] / "checkpoints" / "step_000006")
     for run_dir, resume, signum, said in (
             (runs[0], "auto", signal.SIGTERM, r"run the same command to resume from its latest checkpoint, .*step_000006"),
+            (runs[0], "latest", signal.SIGTERM, r"run the same command to resume from its latest checkpoint, .*step_000006"),
             # stopped while starting: the same command starts from the checkpoint it names again
             (runs[0], latest, signal.SIGTERM, rf"run the same command to resume from {latest} again"),
             (tmp_path, "auto", signal.SIGINT, "it saved no checkpoint yet")):
@@ -489,6 +605,13 @@ def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp
     last = tmp_path / "run" / "checkpoints" / "step_000006"
     assert capsys.readouterr().err == (f"interrupted by SIGINT: training had ended, and {last} holds its last step; "
                                        f"to export it: python -m pipeline_parallel.export {last}\n")
+    # A run that exports nothing at its end (stopped while drawing its loss curve) is not told to export.
+    config.write_text(to_toml(make_cfg(tmp_path / "quiet", corpus, **{"log.plot": True})))
+    monkeypatch.setattr(run_end, "plot_loss", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(config)])
+    last = tmp_path / "quiet" / "checkpoints" / "step_000006"
+    assert capsys.readouterr().err == f"interrupted by SIGINT: training had ended, and {last} holds its last step\n"
 
 
 def _main_in_a_group_of_its_own(rank, world_size, run_dir, port):
