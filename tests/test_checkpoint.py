@@ -342,6 +342,68 @@ def test_a_failed_save_leaves_nothing_of_itself(tmp_path, monkeypatch, fails):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
+def test_a_file_written_whole_reaches_the_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    """After a power loss, a rename that reached the disk before the data names an empty file (meta.json, the
+    latest pointer, the run's metrics); a rename not made durable can be undone. The file is flushed to disk
+    before it is renamed into place, then its directory."""
+    from pipeline_parallel._files import atomic_write, temporary_path
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "meta.json"
+    atomic_write(path, "{}")
+    assert path.read_text() == "{}"
+    assert events == [("fsync", os.path.realpath(temporary_path(path))), ("replace", os.path.realpath(path)),
+                      ("fsync", os.path.realpath(tmp_path))]
+
+
+def test_a_file_that_cannot_be_written_whole_leaves_the_old_one_and_nothing_beside_it(tmp_path, monkeypatch):
+    """A full disk: the old content stays, and the half-written temporary file goes (left, it takes room, and
+    a run directory fills with them at every save the disk refuses)."""
+    from pipeline_parallel._files import atomic_write
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("old\n")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        atomic_write(path, "new\n")
+    assert path.read_text() == "old\n" and list(tmp_path.iterdir()) == [path]
+
+
+def test_a_failed_write_says_how_much_room_its_disk_has(tmp_path, monkeypatch):
+    """The note a message on a failed write ends with: the free room in GB, or MB below one GB; nothing where it
+    cannot be told."""
+    import shutil
+    from collections import namedtuple
+
+    from pipeline_parallel._files import room_note
+
+    usage = namedtuple("usage", "total used free")
+    for free, said in ((3 * 2**30 + 2**29, "; 3.5 GB free on its disk"), (2**30, "; 1.0 GB free on its disk"),
+                       (2**30 - 2**20, "; 1,023.0 MB free on its disk"), (0, "; 0.0 MB free on its disk")):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(2**40, 2**40 - free, free))
+        assert room_note(tmp_path) == said
+
+    def gone(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", gone)
+    assert room_note(tmp_path / "gone") == ""
+
+
 def test_a_damaged_checkpoint_names_none_of_the_run_it_went_on_from_an_older_step_of(tmp_path):
     """Steps 2, 4 and 6 saved, then resumed from step 2 and saved 3, which is damaged: the advice named step 6, of
     the run abandoned, where step 2 is the one this run went on from."""

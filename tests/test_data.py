@@ -324,6 +324,20 @@ def test_cache_is_reused_and_max_tokens_caps(tmp_path, monkeypatch):
     assert second.digest == first.digest != capped.digest and len(list((tmp_path / "run").glob("*.sha256"))) == 2
 
 
+def test_a_data_file_edited_to_the_same_size_is_tokenized_again(tmp_path, corpus):
+    """A file's path and size do not tell an edit apart (a word fixed for one as long): the cache of its old text
+    would be trained on. The stream is the one a fresh run directory makes of the new text."""
+    src = tmp_path / "data.txt"
+    src.write_text("the cat sat on the mat\n" * 50)
+    prepare = lambda run_dir: D.prepare_data(run_dir, src, seq_len=8, tokenizer=corpus[1], eval_fraction=0)
+    before = prepare(tmp_path / "run")
+    src.write_text("the dog sat on the log\n" * 50)
+    stat = src.stat()
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a later write, on any file system's clock
+    after = prepare(tmp_path / "run")
+    assert after.digest != before.digest and after.digest == prepare(tmp_path / "fresh").digest
+
+
 def test_no_partial_token_cache_is_left_behind(tmp_path):
     """Interrupted tokenising leaves no temporary file, and one left by a killed run on this host is removed."""
     tok = train_bpe(make_docs(), vocab_size=300)

@@ -30,7 +30,8 @@ from pipeline_parallel.data import TokenBatches, prepare_data
 from pipeline_parallel.export import export, keep_run_tokenizer, load_full_model, main as export_main, save_hf_model
 from pipeline_parallel.generate import load_model, main as generate_main, sample
 from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
-from pipeline_parallel.tokenizer import load_tokenizer
+from pipeline_parallel.run_end import report_run_end
+from pipeline_parallel.tokenizer import EOS_TOKEN, Tokenizer, load_tokenizer
 from pipeline_parallel.trainer import Trainer
 
 
@@ -92,15 +93,18 @@ def test_generate_from_run_and_from_export(trained, tmp_path, capsys):
     out, _, _ = export(run_dir, tmp_path / "hf", dtype="fp32")
     texts = [sample(*load_model(path), prompt="def ", max_new_tokens=12, temperature=0) for path in (run_dir, out)]
     assert texts[0] == texts[1] and texts[0].startswith("def ") and len(texts[0]) > 4
-    generate_main([str(out), "--prompt", "import ", "--max-new-tokens", "8", "--num-samples", "2"])
-    printed = capsys.readouterr().out
-    assert printed.count("--- sample") == 2 and "import " in printed
+    generate_main([str(out), "--prompt", "import ", "--max-new-tokens", "8", "--num-samples", "2", "--seed", "5"])
+    model, tokenizer = load_model(out)
+    assert capsys.readouterr().out == "".join(  # sample i is drawn with seed + i, at the default settings
+        f"--- sample {i + 1}\n{sample(model, tokenizer, 'import ', 8, 0.8, 50, seed)}\n" for i, seed in enumerate((5, 6)))
     with pytest.raises(SystemExit):  # before loading anything
         generate_main([str(out), "--temperature", "-1"])
     assert "--temperature must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         generate_main([str(out), "--seed", str(2**64)])
     assert "--seed must be below 2**63" in capsys.readouterr().err
+    generate_main([str(out), "--prompt", "import ", "--max-new-tokens", "2", "--seed", str(2**63 - 1)])  # the largest
+    assert capsys.readouterr().out == f"{sample(model, tokenizer, 'import ', 2, 0.8, 50, 2**63 - 1)}\n"
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(tmp_path / "nothing-here")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("error: "), "one line, no traceback"
@@ -141,6 +145,36 @@ def test_sample_checks_its_arguments(trained, bad, error):
     model, tokenizer = load_model(trained[0])
     with pytest.raises(ValueError, match=error):
         sample(model, tokenizer, "def ", **{"max_new_tokens": 2, **bad})
+
+
+def test_a_sample_starts_as_a_document_does_and_leaves_out_the_end_of_text(monkeypatch):
+    """What sample gives the model: the start a document has in training (the BOS the tokenizer puts before a text;
+    an empty prompt without one is the end-of-text that precedes a document), and top_k 0 as every token; what it
+    shows: the new tokens, not the end-of-text that ends them. `generate` is replaced by one that records its input
+    and answers " world" and the end of the text."""
+    from tokenizers.processors import TemplateProcessing
+
+    texts = ["hello world, the quick brown fox"] * 20
+    bare = train_bpe(texts, vocab_size=280)
+    backend = train_bpe(texts, vocab_size=280).backend
+    backend.add_special_tokens(["<s>"])
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    with_bos = Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
+    asked = {}
+
+    def answer(model, input_ids, max_new_tokens, **options):
+        asked.update(input_ids=input_ids[0].tolist(), **options)
+        return torch.cat([input_ids, torch.tensor([tokenizer.encode(" world") + [tokenizer.eos_id]])], dim=1)
+
+    monkeypatch.setattr(generate_module, "generate", answer)
+    model = torch.nn.Linear(1, 1)  # sample reads only the device of its parameters
+    for tokenizer, start, empty in ((with_bos, [bos], [bos]), (bare, [], [bare.eos_id])):
+        assert sample(model, tokenizer, "hello", max_new_tokens=3, top_k=0) == "hello world"
+        assert asked["input_ids"] == [*start, *tokenizer.encode("hello")]
+        assert (asked["top_k"], asked["eos_id"]) == (None, tokenizer.eos_id)
+        assert sample(model, tokenizer, "", max_new_tokens=3, top_k=5) == " world"
+        assert asked["input_ids"] == empty and asked["top_k"] == 5
 
 
 def test_generate_refuses_a_prompt_that_is_not_utf8(tmp_path, capsys):
@@ -797,6 +831,27 @@ def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(co
         f"then export the checkpoint with: python -m pipeline_parallel.export {last}")
     assert latest_checkpoint(tmp_path / "run") == last
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(("export", ".export"))) == []
+
+
+def test_the_end_of_a_run_exports_and_samples_as_its_settings_say(corpus, tmp_path, capsys):
+    """The end of a run was tested only where its export failed: nothing looked at the sample it prints (prompt,
+    seed, length), at the dtype of the export, or at loss.png being left out when log.plot is off."""
+    cfg = make_cfg(tmp_path / "run", corpus, **{
+        "train.max_steps": 1, "eval.interval": 0, "export.at_end": True, "export.dtype": "bf16", "log.plot": False,
+        "export.prompt": "def ", "export.sample_tokens": 6, "export.temperature": 1.0, "export.top_k": 0, "seed": 7})
+    Trainer(cfg).fit()
+    model, tokenizer = load_model(tmp_path / "run")  # the checkpoint, in float32
+    want = sample(model, tokenizer, "def ", max_new_tokens=6, temperature=1.0, top_k=0, seed=7)
+    assert want != sample(model, tokenizer, "def ", max_new_tokens=6, temperature=1.0, top_k=0, seed=0)
+    out = capsys.readouterr().out
+    assert out.endswith(f"Hugging Face model: {tmp_path / 'run' / 'export'}\nsample:\n{want}\n"), out
+    assert {tensor.dtype for tensor in load_file(tmp_path / "run" / "export" / "model.safetensors").values()} == \
+        {torch.bfloat16}
+    assert not (tmp_path / "run" / "loss.png").exists()
+    # export.sample_tokens = 0: the export, and no sample.
+    last = latest_checkpoint(tmp_path / "run")
+    report_run_end(with_overrides(cfg, **{"export.sample_tokens": 0}), tmp_path / "run" / "metrics.jsonl", last, None)
+    assert capsys.readouterr().out == f"checkpoint: {last}\nHugging Face model: {tmp_path / 'run' / 'export'}\n"
 
 
 def test_a_tokenizer_replaced_during_training_skips_the_export_at_the_end(corpus, tmp_path, capsys):

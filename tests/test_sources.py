@@ -127,6 +127,14 @@ def test_a_run_directory_named_as_the_data_is_refused(tmp_path):
             S.expand_sources(named, skip=skip)
 
 
+def test_a_jsonl_file_with_an_upper_case_suffix_is_json_lines(tmp_path):
+    """Files from Windows tools come as DATA.JSONL: named or found in a directory, its records are the documents,
+    not its JSON text."""
+    (tmp_path / "DATA.JSONL").write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert documents(S.expand_sources(tmp_path / "DATA.JSONL")) == ["one", "two"]
+    assert documents(S.expand_sources(tmp_path)) == ["one", "two"]
+
+
 def test_a_named_json_file_is_json_lines_and_a_binary_file_is_refused(tmp_path):
     """A .json file named directly (`datasets`' to_json writes JSON Lines under that name) was trained on as text,
     its syntax and escapes included, and a compressed file as the garbage its bytes decode to."""
@@ -214,6 +222,23 @@ def test_long_documents_come_in_pieces_cut_between_words(tmp_path):
     assert "x" * 20 in first  # no whitespace to cut at: cut at the limit
     assert "\ntwo" * 4 in first  # no space between words: before the last whitespace ahead of a word
     assert [ends for _, ends in pieces].count(True) == 2
+
+
+def test_whitespace_longer_than_a_piece_inside_a_document_is_kept(tmp_path):
+    """A piece that is all whitespace is left out only at a document's start (a blank document yields nothing):
+    inside one, dropping it joins the words around it."""
+    text = "first words" + " " * 50 + "\n" * 30 + "last words\n"
+    (tmp_path / "gap.txt").write_text(text)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    assert documents([tmp_path / "gap.txt", tmp_path / "d.jsonl"], max_chars=20) == [text, text]
+
+
+def test_a_nul_character_past_the_start_of_a_text_file_is_text(tmp_path):
+    """Only a file that starts as no text does (compressed, binary, UTF-16) is refused: a NUL further on (one
+    stray byte in a log) is read as the rest of the file is."""
+    text = "plain words " * 5 + "\x00" + " and more words"
+    (tmp_path / "log.txt").write_text(text)
+    assert documents([tmp_path / "log.txt"], max_chars=20) == [text]
 
 
 def test_a_huge_text_file_is_read_a_piece_at_a_time(tmp_path):
