@@ -33,10 +33,12 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids the model's embedding must cover (added tokens included)."""
+        """Number of ids the model's embedding must cover (added tokens included): the largest id + 1, which is
+        more than the number of tokens where the ids leave a gap (an added token numbered past one)."""
         if self.hf is not None:
-            return len(self.hf)
-        return self.backend.get_vocab_size(with_added_tokens=True)
+            return max(len(self.hf), max(self.hf.get_vocab().values(), default=-1) + 1)
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max(len(vocab), max(vocab.values(), default=-1) + 1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, with the BOS (and so on) the tokenizer adds

@@ -570,3 +570,18 @@ def test_the_tokenizer_is_trained_on_the_first_max_chars_characters_exactly():
     assert capped.fingerprint() == train_bpe([docs[0], docs[1][: len(docs[1]) // 2]], vocab_size=300,
                                              max_chars=None).fingerprint()
     assert capped.fingerprint() != train_bpe(docs[:2], vocab_size=300, max_chars=None).fingerprint()
+
+
+def test_a_tokenizer_whose_ids_leave_a_gap_covers_its_largest_id(tmp_path):
+    """A tokenizer.json with a token numbered past a gap (70,000 among 1,002 others): its vocab_size counted the
+    tokens, 1,003, so a run built an embedding too small for that id and chose a token cache of uint16, which
+    cannot hold it. It is the largest id + 1, as the model's embedding must cover."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {**{f"w{i}": i for i in range(1000)}, "<unk>": 1000, EOS_TOKEN: 1001, "rare": 70_000}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = T.Tokenizer(backend, 1001)
+    assert tok.vocab_size == 70_001
+    stream = token_cache.cached_tokens(tmp_path, tok, [("w1 rare w2", True)], {"sources": ["gap"]})
+    assert stream.tolist() == [1, 70_000, 2, 1001]
