@@ -51,9 +51,11 @@ def test_trained_tokenizer_reloads_identically(tmp_path):
     assert again.fingerprint() == tok.fingerprint()
 
 
-def test_tokenizer_training_is_fed_no_word_longer_than_1024_characters():
+def test_tokenizer_training_is_fed_no_word_longer_than_1024_characters(monkeypatch):
     """A run without whitespace is one word to the pre-tokenizer, and the BPE trainer's time grows with a
     word's length squared (a million letters took over 9 minutes): the trainer gets such runs in pieces."""
+    import tokenizers
+
     from pipeline_parallel.bpe import _short_words
 
     rng = random.Random(0)
@@ -63,6 +65,29 @@ def test_tokenizer_training_is_fed_no_word_longer_than_1024_characters():
     assert max(len(run) for word in words for run in re.findall(r"\S+|\s+", word)) == 1024
     tok = train_bpe([text], vocab_size=1024)
     assert tok.decode(tok.encode(text)) == text and len(tok.encode(text)) < len(text) / 4
+
+    fed, raw_tokenizer = [], tokenizers.Tokenizer
+
+    class Recording:
+        """A tokenizers.Tokenizer that keeps what its trainer is fed."""
+
+        def __init__(self, model):
+            object.__setattr__(self, "raw", raw_tokenizer(model))
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+        def __setattr__(self, name, value):
+            setattr(self.raw, name, value)
+
+        def train_from_iterator(self, texts, trainer):
+            fed.extend(texts)
+            self.raw.train_from_iterator(fed, trainer)
+
+    monkeypatch.setattr(tokenizers, "Tokenizer", Recording)
+    text = "x" * 5000 + " a b\n" + " " * 3000 + "end"
+    train_bpe([text], vocab_size=300)
+    assert "".join(fed) == text and max(len(run) for piece in fed for run in re.findall(r"\S+|\s+", piece)) == 1024
 
 
 def test_a_given_tokenizers_truncation_and_padding_do_not_cut_or_pad_the_data(tmp_path):
@@ -74,6 +99,93 @@ def test_a_given_tokenizers_truncation_and_padding_do_not_cut_or_pad_the_data(tm
     tok.backend.save(str(tmp_path / "cutting.json"))
     given = get_tokenizer(tmp_path, str(tmp_path / "cutting.json"), [], vocab_size=300)
     assert given.encode(docs[0]) == full and given.encode_data([docs[0]]) == [full]
+
+
+def test_the_vocabulary_size_covers_tokens_added_to_a_tokenizer():
+    """Special tokens added to a tokenizer.json after its training (a BOS, a chat marker) have ids past its model's
+    vocabulary: the model's embedding, sized by vocab_size, must cover them too, or their ids index past its end."""
+    backend = train_bpe(make_docs(), vocab_size=300).backend
+    backend.add_special_tokens(["<s>", "<|im_start|>"])
+    tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
+    assert tok.vocab_size == max(backend.token_to_id(name) for name in ("<s>", "<|im_start|>")) + 1
+
+
+def test_decoding_shows_the_special_tokens_among_the_ids():
+    """Decoded ids read as the model sees them: the end-of-text between two documents (or a BOS a model samples
+    in the middle of a text) is shown, not dropped, so that the texts do not run together."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    assert tok.decode(tok.encode("the end.") + [tok.eos_id] + tok.encode("A new one")) == f"the end.{EOS_TOKEN}A new one"
+
+
+def test_encoding_data_as_text_leaves_the_tokenizer_reading_special_tokens_elsewhere():
+    """Data quoting "<|endoftext|>" is text (encode_data), but only there: a prompt encoded with the same tokenizer
+    afterwards still means end-of-text by it, as it does with a tokenizer that encoded no data."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    assert tok.eos_id not in tok.encode_data([f"quoting {EOS_TOKEN}"])[0]
+    assert tok.encode(EOS_TOKEN) == [tok.eos_id]
+
+
+def test_a_tokenizer_with_another_decoder_differs_in_its_decoder():
+    """A checkpoint's refusal of another tokenizer names the parts that differ; a tokenizer.json whose decoder alone
+    was changed (it reads the same ids back into other text) differs in that part, and in no other."""
+    from tokenizers import decoders
+
+    tok = train_bpe(make_docs(), vocab_size=300)
+    backend = train_bpe(make_docs(), vocab_size=300).backend
+    backend.decoder = decoders.Metaspace()
+    other = T.Tokenizer(backend, tok.eos_id)
+    assert other.fingerprint() != tok.fingerprint()
+    assert tokenizer_differences(other, tokenizer_record(tok)) == ["decoder"]
+
+
+def test_a_message_on_a_tokenizer_that_loads_differently_says_what_differs_and_how_to_load_it():
+    """One part "differs", several "differ"; the transformers version to load it with is named only where it is
+    not the one running (else the advice would be to load it with the very version that loads it differently)."""
+    from pipeline_parallel.tokenizer_identity import _transformers_version, loads_differently
+
+    now = _transformers_version()
+    assert loads_differently(["pre-tokenizer"], {"transformers_version": "4.46.3"}).startswith(
+        "but tokenizes text differently as loaded now: its pre-tokenizer differs, so the model would be given other "
+        f"ids for the same text; load it with transformers 4.46.3, which it was recorded under (this is {now})")
+    same = loads_differently(["model", "normalizer", "decoder"], {"transformers_version": now})
+    assert "its model, normalizer and decoder differ, so" in same and "load it as it was loaded then" in same
+    assert f"load it with transformers {now}" not in same
+
+
+def test_a_vocabulary_smaller_than_the_bytes_and_end_of_text_is_refused():
+    """A byte-level BPE needs a token for each of the 256 bytes and one for end-of-text: 257 at the least."""
+    with pytest.raises(ValueError, match="vocab_size must be at least 257 .*got 256"):
+        train_bpe(make_docs(), vocab_size=256)
+    assert train_bpe(make_docs(), vocab_size=257).vocab_size == 257
+
+
+def test_the_tokenizer_of_an_older_run_that_recorded_no_settings_is_reused(tmp_path):
+    """Runs before tokenizer-trained-with.json kept their tokenizer.json alone: a start there reuses it (it cannot
+    tell what it was trained with), rather than refusing every setting."""
+    trained = get_tokenizer(tmp_path, None, make_docs(), vocab_size=300)
+    (tmp_path / "tokenizer-trained-with.json").unlink()
+    again = get_tokenizer(tmp_path, None, iter(lambda: 1 / 0, None), vocab_size=280, tokenizer_train_chars=1000)
+    assert again.fingerprint() == trained.fingerprint()
+
+
+def test_a_trained_tokenizer_whose_settings_cannot_be_recorded_is_not_kept(tmp_path, monkeypatch):
+    """A tokenizer.json with no record of its settings passes for an older run's, reused whatever is asked: so the
+    record is written first, and a start that cannot write it (a full disk) leaves no tokenizer.json; the next start
+    trains the one it asks for."""
+    from pipeline_parallel import bpe
+
+    write = bpe.atomic_write
+
+    def full_for_the_record(path, text):
+        if path.name == bpe.TRAINED_WITH_FILE:
+            raise OSError(28, "No space left on device")
+        write(path, text)
+
+    monkeypatch.setattr(bpe, "atomic_write", full_for_the_record)
+    with pytest.raises(OSError, match="No space left"):
+        get_tokenizer(tmp_path, None, make_docs(), vocab_size=300)
+    monkeypatch.undo()
+    assert get_tokenizer(tmp_path, None, make_docs(), vocab_size=280).vocab_size == 280
 
 
 def test_a_file_that_is_no_tokenizer_json_is_a_clear_error(tmp_path):
@@ -100,6 +212,10 @@ def test_transformers_tokenizer_directory(tmp_path):
     assert loaded.hf is not None and loaded.eos_id == tok.eos_id
     loaded.save(tmp_path / "exported", model_max_length=64)  # it had none: the model's is written
     assert load_tokenizer(tmp_path / "exported").hf.model_max_length == 64 and loaded.hf.model_max_length > 1e29
+    load_tokenizer(tmp_path / "exported").save(tmp_path / "again", model_max_length=32)  # it has its own: kept
+    assert load_tokenizer(tmp_path / "again").hf.model_max_length == 64
+    tok.save(tmp_path / "ours", model_max_length=64)  # one trained here: a tokenizer.json and a config naming it
+    assert load_tokenizer(tmp_path / "ours").hf.model_max_length == 64
     assert loaded.encode("the lazy dog") == tok.encode("the lazy dog")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
@@ -107,6 +223,29 @@ def test_transformers_tokenizer_directory(tmp_path):
     (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
     with pytest.raises(ValueError, match="holds no tokenizer .*copy the tokenizer.s files into it, or in training give data.tokenizer"):
         load_tokenizer(tmp_path / "model")
+
+
+def test_a_tokenizer_directory_whose_config_names_no_eos_token_ends_documents_with_its_end_of_text_token(tmp_path):
+    """transformers loads a directory whose tokenizer_config.json sets no eos_token with none: its end-of-text token
+    is then found by name, as in a bare tokenizer.json, and a copy saved of it (as the export writes) names it."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    (tmp_path / "hf").mkdir()
+    tok.backend.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    loaded = load_tokenizer(tmp_path / "hf")
+    assert loaded.hf is not None and loaded.hf.eos_token_id is None and loaded.eos_id == tok.eos_id
+    loaded.save(tmp_path / "saved")
+    assert load_tokenizer(tmp_path / "saved").hf.eos_token_id == tok.eos_id
+
+
+def test_a_wordpiece_tokenizer_directory_of_a_vocab_txt_alone_is_loaded(tmp_path):
+    """A BERT-style tokenizer directory holds vocab.txt and no tokenizer.json: it is a tokenizer transformers loads,
+    not a directory that holds none."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "lazy", "dog", "##s"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", "eos_token": "[SEP]"}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("the lazy dogs") == [5, 6, 7, 8] and tok.eos_id == 3 and tok.document_ends == ([2], [3])
 
 
 def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_text_stay_text(tmp_path):
@@ -240,7 +379,7 @@ def test_a_tokenizer_that_tokenizes_differently_as_loaded_now_is_told_from_anoth
 
 def test_settings_that_make_no_id_leave_the_fingerprint_alone():
     """An unknown token that byte fallback never reaches, and empty subword affixes, are left out when transformers
-    5 rebuilds a tokenizer; where bytes lack tokens the unknown token makes ids, and counts."""
+    5 rebuilds a tokenizer; where bytes lack tokens (all, or only some) the unknown token makes ids, and counts."""
     from tokenizers import Tokenizer
 
     def variant(tok, **model):
@@ -254,6 +393,10 @@ def test_settings_that_make_no_id_leave_the_fingerprint_alone():
     with_unk = variant(llama, unk_token="</s>", byte_fallback=True)
     assert variant(llama, byte_fallback=True).fingerprint() != with_unk.fingerprint()
     assert tokenizer_differences(variant(llama, byte_fallback=True), tokenizer_record(with_unk)) == ["model"]
+    vocab = json.loads(llama.backend.to_str())["model"]["vocab"]
+    some_bytes = {**vocab, **{f"<0x{byte:02X}>": len(vocab) + byte for byte in range(128)}}  # ASCII only: "ü" is unknown
+    assert (variant(llama, vocab=some_bytes, byte_fallback=True).fingerprint()
+            != variant(llama, vocab=some_bytes, unk_token="</s>", byte_fallback=True).fingerprint())
 
 
 def _sentencepiece_like(kind: str) -> T.Tokenizer:
@@ -338,6 +481,52 @@ def test_a_data_file_edited_to_the_same_size_is_tokenized_again(tmp_path, corpus
     assert after.digest != before.digest and after.digest == prepare(tmp_path / "fresh").digest
 
 
+def test_another_text_field_gives_the_documents_of_that_field(tmp_path):
+    """data.text_field names what of each JSON line is the document: a run_dir that tokenized one field must not
+    hand back that stream (its cache) when another is asked for, and its tokenizer is trained on the field named."""
+    rows = [{"title": f"title {i}", "body": doc} for i, doc in enumerate(make_docs(20))]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for field in ("title", "body"):
+        prepared = D.prepare_data(tmp_path / "run", tmp_path / "docs.jsonl", seq_len=4, vocab_size=300,
+                                  text_field=field, eval_fraction=0)
+        tok = prepared.tokenizer
+        stream = [token for row in rows for token in tok.encode(row[field]) + [tok.eos_id]]
+        assert prepared.num_tokens == len(stream) and prepared.train[np.arange(2)].flatten().tolist() == stream[:10]
+
+
+def test_a_document_longer_than_a_batch_of_pieces_gives_the_tokens_of_the_whole(tmp_path):
+    """Pieces are encoded in batches (of 256 at most): where a document goes on into the next batch, its piece there
+    must get neither the BOS of a document's start nor the "▁" a SentencePiece-style tokenizer puts before a text.
+    (The documents of the long-document test fit in one batch.)"""
+    from tokenizers.processors import TemplateProcessing
+
+    backend = _sentencepiece_like("metaspace-first").backend
+    backend.add_special_tokens(["<s>"])
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok = T.Tokenizer(backend, backend.token_to_id("</s>"))
+    text = "".join(make_docs(60))
+    (tmp_path / "long.txt").write_text(text)
+    pieces = list(S.iter_pieces([tmp_path / "long.txt"], max_chars=64))
+    assert len(pieces) > 256
+    token_cache.write_tokens(pieces, tok, tmp_path / "tokens.uint16.bin")
+    assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == [bos] + tok.encode(text) + [tok.eos_id]
+
+
+def test_ids_past_65535_are_kept_whole_in_the_token_cache(tmp_path):
+    """A tokenizer of more than 65,536 tokens (Llama 3 has 128,256) needs 32-bit ids in the cache: in 16 bits its
+    higher ids would wrap around to other tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {**{f"w{i}": i for i in range(70_000)}, "<unk>": 70_000, EOS_TOKEN: 70_001}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.add_special_tokens([EOS_TOKEN])
+    tok = T.Tokenizer(raw, vocab[EOS_TOKEN])
+    tokens = token_cache.cached_tokens(tmp_path, tok, [("w1 w65536 w69999", True)], {"sources": ["words"]})
+    assert tokens.tolist() == [1, 65_536, 69_999, 70_001]
+
+
 def test_no_partial_token_cache_is_left_behind(tmp_path):
     """Interrupted tokenising leaves no temporary file, and one left by a killed run on this host is removed."""
     tok = train_bpe(make_docs(), vocab_size=300)
@@ -373,6 +562,14 @@ def test_a_damaged_token_cache_is_tokenized_again(tmp_path, caplog):
         again = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
         assert (again.num_tokens, again.digest) == (first.num_tokens, first.digest)
         assert f"token cache {cache} is damaged" in caplog.text and "tokenizing the data again" in caplog.text
+    record.write_text(as_before)  # an intact cache of a version that recorded its hash alone: hashed once, record completed
+    assert D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300).digest == first.digest
+    assert record.read_text() == f"{first.digest} {first.num_tokens}\n"
+    record.unlink()  # of a version that recorded nothing, emptied: no tokens is no cache
+    os.truncate(cache, 0)
+    caplog.clear()
+    assert D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300).digest == first.digest
+    assert f"token cache {cache} is damaged (it holds 0 bytes" in caplog.text
 
 
 def test_a_token_cache_whose_record_is_damaged_is_tokenized_again(tmp_path, caplog):
@@ -418,9 +615,16 @@ def test_errors_for_empty_and_too_little_data(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         D.prepare_data(tmp_path / "run1", tmp_path / "empty", seq_len=8, vocab_size=300)
     assert not (tmp_path / "run1" / "tokenizer.json").exists()  # nothing half-made is kept
+    train_bpe(make_docs(), vocab_size=300).backend.save(str(tmp_path / "given.json"))  # none to train: the data's turn
+    with pytest.raises(ValueError, match="no text to tokenise: every document of the data is empty; give other data"):
+        D.prepare_data(tmp_path / "run1", tmp_path / "empty", seq_len=8, tokenizer=tmp_path / "given.json")
+    assert not list((tmp_path / "run1").glob("tokens-*"))
     (tmp_path / "tiny.txt").write_text("tiny")
     with pytest.raises(ValueError, match="fewer than one sequence"):
         D.prepare_data(tmp_path / "run2", tmp_path / "tiny.txt", seq_len=64, vocab_size=300)
+    with pytest.raises(ValueError, match=r"gives only 8 tokens, fewer than one sequence of seq_len\+1 = 9"):
+        D.prepare_data(tmp_path / "run3", write_texts(tmp_path / "txt", make_docs()), seq_len=8, vocab_size=300,
+                       max_tokens=8)  # a token short of a sequence
     with pytest.raises(ValueError, match="set eval_fraction=0"):
         D.split_sequences(D.Sequences(np.arange(10), seq_len=9), 0.01)
     with pytest.raises(ValueError, match="fewer than batch_size"):
@@ -444,8 +648,8 @@ def test_loader_resumes_exactly():
     for want in expected[3:]:
         got = next(resumed)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="same data"):
-        D.TokenBatches(table, batch_size=4, seed=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="resume with the same data, tokenizer, max_tokens, seq_len, eval_fraction and seed"):
+        D.TokenBatches(table, batch_size=4, seed=8).load_state_dict(state)  # the message names every setting it takes
     # As many sequences of another length (23 of 3 + 1 tokens) hold other tokens: refused too
     with pytest.raises(ValueError, match=r"for 23 sequences of 4 tokens with seed 7, but this loader has 23 of 3 "):
         D.TokenBatches(D.Sequences(np.arange(23 * 4 + 1), seq_len=3), batch_size=4, seed=7).load_state_dict(state)

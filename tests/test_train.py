@@ -11,9 +11,11 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from pipeline_parallel.config_checks import validate
 from pipeline_parallel.data import prepare_data
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.launch import Interrupted, stop_asked, stop_signals_raise
-from pipeline_parallel.metrics import MetricsLogger, plot_loss, read_metrics
+from pipeline_parallel.metrics import MetricsLogger, bubble_fraction, plot_loss, read_metrics
 from pipeline_parallel.optim import build_optimizer
 from pipeline_parallel.resume import RunComplete
 from pipeline_parallel.tokenizer import load_tokenizer
@@ -920,12 +922,82 @@ def test_a_damaged_metrics_file_stops_every_rank_with_its_line(runs, corpus, tmp
                                                       r"repair or delete that line", message), message
 
 
-def test_the_loss_plot_leaves_out_a_loss_that_is_not_finite(tmp_path):
+def _png_colors(path: Path) -> set[tuple[int, int, int]]:
+    """The colours of an 8-bit RGB PNG of 800 x 500 whose rows are unfiltered, as the built-in renderer writes one,
+    read as the PNG format says: chunks (each with its CRC), IHDR, then the zlib-compressed rows, a filter byte each."""
+    data, chunks, at = path.read_bytes(), {}, 8
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    while at < len(data):
+        (length,), kind = struct.unpack(">I", data[at:at + 4]), data[at + 4:at + 8]
+        body, (crc,) = data[at + 8:at + 8 + length], struct.unpack(">I", data[at + 8 + length:at + 12 + length])
+        assert crc == zlib.crc32(kind + body), kind
+        chunks[kind], at = chunks.get(kind, b"") + body, at + 12 + length
+    assert list(chunks) == [b"IHDR", b"IDAT", b"IEND"]
+    width, height, depth, color_type, *_ = struct.unpack(">IIBBBBB", chunks[b"IHDR"])
+    assert (width, height, depth, color_type) == (800, 500, 8, 2)
+    rows = zlib.decompress(chunks[b"IDAT"])
+    assert len(rows) == height * (1 + 3 * width) and rows[::1 + 3 * width] == bytes(height)  # filter 0: none
+    pixels = b"".join(rows[y * (1 + 3 * width) + 1:(y + 1) * (1 + 3 * width)] for y in range(height))
+    return {tuple(pixels[i:i + 3]) for i in range(0, len(pixels), 3)}
+
+
+_TRAIN_BLUE, _EVAL_ORANGE = (31, 119, 180), (255, 127, 14)
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """The built-in renderer, whether or not matplotlib is installed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+
+def test_the_loss_plot_leaves_out_a_loss_that_is_not_finite(tmp_path, no_matplotlib):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 7.5}\n{"step": 2, "loss": 5.0, "eval_loss": NaN}\n'
                     '{"step": 3, "loss": Infinity}\n{"step": 4, "loss": 4.0, "eval_loss": 4.5}\n')
-    plot_loss(path, tmp_path / "loss.png")
-    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert plot_loss(path, tmp_path / "loss.png") == "built-in"
+    assert {_TRAIN_BLUE, _EVAL_ORANGE} <= _png_colors(tmp_path / "loss.png")
+
+
+def test_the_loss_plot_of_a_single_step_or_an_unchanging_loss_is_drawn(tmp_path, no_matplotlib):
+    """A run of one step, or a loss that stays put, gives its points one step, or one loss: the axes still span
+    some range (a run of train.max_steps=1 ended with a ZeroDivisionError in the plot)."""
+    path = tmp_path / "metrics.jsonl"
+    for records in ('{"step": 1, "loss": 7.5, "eval_loss": 7.25}\n', '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 3.0}\n'):
+        path.write_text(records)
+        plot_loss(path, tmp_path / "loss.png")
+        assert (_EVAL_ORANGE if "eval_loss" in records else _TRAIN_BLUE) in _png_colors(tmp_path / "loss.png")
+
+
+def test_the_bubble_fraction_is_the_share_of_a_step_a_gpipe_schedule_leaves_idle():
+    """With p equal stages and m microbatches each stage is busy m of the m + p - 1 slots of a GPipe/1F1B step."""
+    assert bubble_fraction(1, 8) == 0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 12) == pytest.approx(3 / 15)
+
+
+class _TakesPart:
+    """A metrics file whose every write takes only the first `size` bytes it is given, as a raw write may."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size = file, size
+
+    def write(self, data: bytes) -> int:
+        return self.file.write(data[: self.size])
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_each_metrics_record_is_in_the_file_whole_as_soon_as_it_is_logged(tmp_path):
+    """metrics.jsonl is read while the run goes on (tail -f, a notebook): a record is in it once logged, not when
+    a buffer fills or the run ends; and whole, also where a write takes only part of it."""
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"step": 1, "loss": 2.5})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}]
+    logger.file = _TakesPart(logger.file, size=7)
+    logger.log({"step": 2, "loss": 2.25, "lr": 0.01})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25, "lr": 0.01}]
+    logger.close()
 
 
 def test_tensorboard_events_read_as_one_run_after_a_resume(tmp_path):
@@ -949,10 +1021,14 @@ def test_tensorboard_events_read_as_one_run_after_a_resume(tmp_path):
 
 def test_measured_idle_share_is_logged(runs):
     """Each logged step carries the ranks' measured idle share of their pipeline steps: 2 stages
-    always leave some idle (the last waits for the first forward), and it is a share of the time."""
+    always leave some idle (the last waits for the first forward), and it is a share of the time; beside it the
+    schedule's own bubble, and the throughput with that bubble taken out (README: tok/s / (1 - bubble))."""
     whole, _, _ = runs
     idle = [r["measured_idle_fraction"] for r in read_metrics(whole / "metrics.jsonl") if "loss" in r]
     assert len(idle) == 6 and all(0 < share < 1 for share in idle), idle
+    for logged in (r for r in read_metrics(whole / "metrics.jsonl") if "loss" in r):  # 2 stages, 4 microbatches
+        assert logged["bubble_fraction"] == pytest.approx(1 / 5)  # GPipe/1F1B: idle 1 of the 4 + 2 - 1 slots
+        assert logged["effective_tokens_per_s"] == pytest.approx(logged["tokens_per_s"] / (1 - 1 / 5))
 
 
 @pytest.mark.parametrize("world_size, tie", [(1, False), (2, True)])
