@@ -513,16 +513,20 @@ def test_a_document_longer_than_a_batch_of_pieces_gives_the_tokens_of_the_whole(
     assert np.fromfile(tmp_path / "tokens.uint16.bin", dtype=np.uint16).tolist() == [bos] + tok.encode(text) + [tok.eos_id]
 
 
+def _word_level(vocab: dict[str, int]) -> T.Tokenizer:
+    """A tokenizer of whole words with the ids of `vocab`, which holds "<unk>" and the end-of-text token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([EOS_TOKEN])
+    return T.Tokenizer(backend, vocab[EOS_TOKEN])
+
+
 def test_ids_past_65535_are_kept_whole_in_the_token_cache(tmp_path):
     """A tokenizer of more than 65,536 tokens (Llama 3 has 128,256) needs 32-bit ids in the cache: in 16 bits its
     higher ids would wrap around to other tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {**{f"w{i}": i for i in range(70_000)}, "<unk>": 70_000, EOS_TOKEN: 70_001}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    raw.add_special_tokens([EOS_TOKEN])
-    tok = T.Tokenizer(raw, vocab[EOS_TOKEN])
+    tok = _word_level({**{f"w{i}": i for i in range(70_000)}, "<unk>": 70_000, EOS_TOKEN: 70_001})
     tokens = token_cache.cached_tokens(tmp_path, tok, [("w1 w65536 w69999", True)], {"sources": ["words"]})
     assert tokens.tolist() == [1, 65_536, 69_999, 70_001]
 
@@ -780,12 +784,7 @@ def test_a_tokenizer_whose_ids_leave_a_gap_covers_its_largest_id(tmp_path):
     """A tokenizer.json with a token numbered past a gap (70,000 among 1,002 others): its vocab_size counted the
     tokens, 1,003, so a run built an embedding too small for that id and chose a token cache of uint16, which
     cannot hold it. It is the largest id + 1, as the model's embedding must cover."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {**{f"w{i}": i for i in range(1000)}, "<unk>": 1000, EOS_TOKEN: 1001, "rare": 70_000}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = T.Tokenizer(backend, 1001)
+    tok = _word_level({**{f"w{i}": i for i in range(1000)}, "<unk>": 1000, EOS_TOKEN: 1001, "rare": 70_000})
     assert tok.vocab_size == 70_001
     stream = token_cache.cached_tokens(tmp_path, tok, [("w1 rare w2", True)], {"sources": ["gap"]})
     assert stream.tolist() == [1, 70_000, 2, 1001]
