@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .models.materialize import replace_by_name
+
 
 @dataclass
 class _Sources:
@@ -51,32 +53,24 @@ def load_hf_buffers(model: nn.Module, path: str | Path) -> None:
     """Fill the buffers on meta of a model built there with the values the files at `path` hold (a router's
     correction bias, say), for `Pipeline` to keep where the model's `_init_weights` cannot make them (DeepSeek V3's
     on transformers 4). Buffers are small: every rank reads them all, before the model is split."""
-    on_meta = {name: b for name, b in model.named_buffers() if b.is_meta}
-    for name, (source, handle) in _sources(model, path).by_name.items():
-        if name in on_meta:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, handle.get_tensor(source).to(on_meta[name].dtype))
+    where = _tensors_in_files(path)
+    for name, buffer in model.named_buffers():
+        if buffer.is_meta and name in where:
+            replace_by_name(model, name, where[name].get_tensor(name).to(buffer.dtype))
 
 
 def _sources(model: nn.Module, path: str | Path) -> _Sources:
     """Where in the `*.safetensors` files at `path` each of `model`'s tensors is. Raises if any is missing or,
     found by name, of another shape than the model's (read from the files' headers)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
-                                "save_pretrained(safe_serialization=True)")
-    from safetensors import safe_open
-
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
+    where, state = _tensors_in_files(path), model.state_dict()
     by_name, missing = {}, []
-    for name in model.state_dict():
+    for name in state:
         source = name if name in where else "model.embed_tokens.weight" if name == "lm_head.weight" else None
         if source in where:
             by_name[name] = (source, where[source])
         else:
             missing.append(name)
-    converted, mapping = _converted(model, where, missing)
+    converted, mapping = _converted(model, state, where, missing)
     missing = [name for name in missing if name not in converted]
     if missing:
         used = {s for s, _ in by_name.values()} | {s for names in converted.values() for s in names}
@@ -85,16 +79,27 @@ def _sources(model: nn.Module, path: str | Path) -> _Sources:
         raise ValueError(f"{path} lacks {len(missing)} of the {type(model).__name__} weights, e.g. {missing[:2]}: its "
                          f"files neither name them nor hold what transformers makes them of{instead}; give the files "
                          "saved with this model's config.json")
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     for name, (source, handle) in by_name.items():
-        shape = tuple(handle.get_slice(source).get_shape())
-        if shape != shapes[name]:
-            raise ValueError(f"{path}: {source} has shape {shape}, the model {shapes[name]} (from config.json): "
+        shape, want = tuple(handle.get_slice(source).get_shape()), tuple(state[name].shape)
+        if shape != want:
+            raise ValueError(f"{path}: {source} has shape {shape}, the model {want} (from config.json): "
                              "give the config.json saved with these weights")
     return _Sources(by_name, converted, where, mapping)
 
 
-def _converted(model: nn.Module, where: dict, missing: list[str]) -> tuple[dict[str, list[str]], list]:
+def _tensors_in_files(path: str | Path) -> dict[str, object]:
+    """Each tensor of the `*.safetensors` files at `path`, by name: the open file that holds it (read lazily)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with "
+                                "save_pretrained(safe_serialization=True)")
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    return {name: h for h in handles for name in h.keys()}
+
+
+def _converted(model: nn.Module, state: dict, where: dict, missing: list[str]) -> tuple[dict[str, list[str]], list]:
     """Of the `missing` tensors, those transformers makes from tensors of the files while loading, each with
     their names there; and its conversion. Nothing before transformers 5, which names every tensor alike."""
     if not missing:
@@ -106,7 +111,7 @@ def _converted(model: nn.Module, where: dict, missing: list[str]) -> tuple[dict[
         mapping = get_model_conversion_mapping(model)
         renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
         converters = [t for t in mapping if isinstance(t, WeightConverter)]
-        wanted, state = set(missing), model.state_dict()
+        wanted = set(missing)
         converted: dict[str, list[str]] = {}
         for source in where:
             target, pattern = rename_source_key(source, renamings, converters, model.base_model_prefix, state)
@@ -135,7 +140,8 @@ def _load_converted(model: nn.Module, sources: _Sources, path) -> None:
     from transformers.modeling_utils import LoadStateDictConfig
 
     # transformers sets new tensors in the modules: the model's own (which an optimizer may hold) take their values
-    own = {name: model.state_dict(keep_vars=True)[name] for name in sources.converted}
+    state = model.state_dict(keep_vars=True)
+    own = {name: state[name] for name in sources.converted}
     for tensor in own.values():  # NaN until loaded, so one transformers leaves out is caught
         if tensor.is_floating_point():
             tensor.fill_(float("nan"))
@@ -145,8 +151,7 @@ def _load_converted(model: nn.Module, sources: _Sources, path) -> None:
     made = model.state_dict()
     for name, tensor in own.items():
         tensor.copy_(made[name])
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, tensor)
+        replace_by_name(model, name, tensor)
     unmade = [name for name, tensor in own.items() if tensor.isnan().any()]
     if unmade:
         raise ValueError(f"{path}: transformers did not make {unmade[0]} of the files' {sources.converted[unmade[0]][:2]}"

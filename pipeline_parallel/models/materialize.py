@@ -67,6 +67,12 @@ def hf_model_on_meta(config) -> nn.Module:
     return model
 
 
+def replace_by_name(model: nn.Module, name: str, value) -> None:
+    """Put `value` (a parameter, buffer or module) where the dotted `name` of `model` is."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, value)
+
+
 def _meta_buffers(model: nn.Module) -> list[str]:
     """The names of the model's buffers on the meta device, other than the rotary tables."""
     return [name for name, b in _non_rotary_buffers(model) if b.is_meta]
@@ -126,8 +132,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
         model.to_empty(device=device)  # makes each use of a shared parameter one of its own: tie them again
         for first, *others in shared:
             for name in others:
-                owner, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
+                replace_by_name(model, name, model.get_parameter(first))
         with torch.no_grad(), _random_state_kept():
             for name in buffers:  # NaN until `_init_weights` computes it, so a buffer it skips is caught
                 if model.get_buffer(name).is_floating_point():
@@ -158,5 +163,4 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
             rotary.reset_inv_freq(device)
         else:
             with torch.device(device):  # HF rotary tables are computed in __init__
-                owner, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(owner), attr, type(rotary)(config=model.config))
+                replace_by_name(model, name, type(rotary)(config=model.config))
