@@ -462,9 +462,35 @@ def test_weights_loaded_into_a_meta_model_are_kept():
     state = ref.state_dict()
     state.pop("model.norm.weight")
     partly.load_state_dict(state, assign=True, strict=False)
-    with pytest.raises(ValueError, match=r"1 of the model's \d+ parameters are on the meta device "
-                                         r"\(e.g. model.norm.weight\) but the rest hold values; load every weight"):
+    with pytest.raises(ValueError, match=r"1 of the model's \d+ parameters are on the meta device \(e.g. "
+                                         r"model.norm.weight\) but the rest hold values \(e.g. "
+                                         r"model.embed_tokens.weight\); load every weight"):
         pp.Pipeline(partly, num_microbatches=2, device="cpu")
+
+
+def test_a_family_that_makes_parameters_outside_the_meta_device_is_told_what_to_do():
+    """DiffLlama draws its lambdas with `torch.normal`, which makes them outside `with torch.device('meta')`: such
+    a model looks partly loaded, and its refusal says to call model.to('meta'); then the pipeline makes every
+    parameter, the lambdas by the family's own init, and trains as the same weights do in one process."""
+    import transformers
+
+    config = _family("diffllama").config
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert not model.model.layers[0].self_attn.lambda_q1.is_meta  # what the refusal explains
+    with pytest.raises(ValueError, match=r"\(e.g. model.layers.0.self_attn.lambda_q1\);.* such as DiffLlama's "
+                                         r"lambdas: then call model.to\('meta'\) too"):
+        pp.Pipeline(model, num_microbatches=2, device="cpu")
+    pipe = pp.Pipeline(model.to("meta"), num_microbatches=2, device="cpu")
+    lambdas = torch.stack([p for name, p in pipe.model.named_parameters() if ".lambda_" in name])
+    assert lambdas.isfinite().all() and lambdas.std() > config.lambda_std_dev / 4  # drawn, not zeros or NaN
+    ref = transformers.AutoModelForCausalLM.from_config(config).float()
+    ref.load_state_dict(pipe.model.state_dict())
+    x, y = make_batch(4, 8, num_microbatches=2, vocab=config.vocab_size)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    assert pipe.step(x, y) == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert_grads_close(grads(pipe.model), grads(ref), set(grads(ref)), what="DiffLlama made by the pipeline")
 
 
 @pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 scales Gemma's embeddings in the embedding module")

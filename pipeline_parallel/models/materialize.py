@@ -38,10 +38,13 @@ def weights_on_meta(model: nn.Module) -> bool:
     params = list(model.named_parameters())
     on_meta = [name for name, p in params if p.is_meta]
     if on_meta and len(on_meta) < len(params):
+        held = next(name for name, p in params if not p.is_meta)
         raise ValueError(
             f"{len(on_meta)} of the model's {len(params)} parameters are on the meta device (e.g. {on_meta[0]}) "
-            "but the rest hold values; load every weight (load_state_dict(..., assign=True) with a full state "
-            "dict) or build the whole model on meta, and the pipeline initialises its own part"
+            f"but the rest hold values (e.g. {held}); load every weight (load_state_dict(..., assign=True) with a "
+            "full state dict) or have every parameter on meta, and the pipeline initialises its own part (some "
+            "families make a few outside `with torch.device('meta')`, such as DiffLlama's lambdas: then call "
+            "model.to('meta') too)"
         )
     buffers = _meta_buffers(model)
     if buffers and not (on_meta and is_hf_config(model.config)):
