@@ -71,6 +71,7 @@ class PipelineConfig:
     schedule: str = "1f1b"  # 1f1b or gpipe
     num_microbatches: int = 4  # per pipeline step; batch_size must be a multiple
     layer_counts: list[int] = field(default_factory=list)  # decoder layers per stage; empty: cost-balanced
+    recompute: bool = False  # keep only each microbatch's stage input and run its forward again before the backward
 
 
 @dataclass

@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from ._checks import check_int, check_positive, check_seed
+from ._checks import check_bool, check_int, check_positive, check_seed
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
@@ -74,6 +74,12 @@ class Pipeline:
     which backwards to split with the estimated stage costs (see `schedules.choose_split`).
     `seq_len` is the sequence length the default split of layers is balanced for: attention's
     share of a layer's cost grows with it, the head's does not.
+    `recompute` (activation recomputation) trades compute for memory: a microbatch keeps only its
+    stage input from its forward until its backward, which runs the forward again first (with the
+    random state it had, so dropout draws alike), so a stage holds one microbatch's activations at a
+    time (and those whose weight pass waits) however many microbatches are in flight. A forward whose
+    backward comes next on its rank keeps its graph (the last stage's in 1F1B). Forward hooks on the
+    model fire again in each recomputed forward, as under any activation checkpointing.
     After each step, `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds, for timelines and `schedules.simulate`, and `last_step_seconds`
     how long its schedule ran (the rank was idle for the rest, waiting on other ranks).
@@ -92,6 +98,7 @@ class Pipeline:
         seed: int = 0,
         split: int | None = None,
         seq_len: int = 2048,
+        recompute: bool = False,
     ):
         self.device, device_error = usable_device(device if device is not None else default_device())
         self.comm = PipeComm(group, self.device)
@@ -103,7 +110,7 @@ class Pipeline:
         model_config = model_settings(getattr(model, "config", None))
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
-            autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed,
+            autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed, recompute=recompute,
             model_config=model_config,
         )
         on_meta = dtypes = tied = None
@@ -111,6 +118,7 @@ class Pipeline:
             if device_error:
                 raise ValueError(device_error)
             _check_autocast_dtype(autocast_dtype)
+            check_bool("recompute", recompute)
             seed = check_seed("seed", seed, hint=" (weights a model on meta gets are drawn from it)")
             self.layer_counts, (self.program, self._releases), self._eval_plan = self._plan(model, layer_counts, seq_len)
             on_meta, error = weights_on_meta(model), None
@@ -137,7 +145,7 @@ class Pipeline:
         agree_on_settings(self.comm, {}, call="Pipeline()", local_error=error)
         self.model = model.to(self.device)
         parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
-        self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype)
+        self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype, recompute)
         self._tied_weight = None
         if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
             self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight

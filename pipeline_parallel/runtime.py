@@ -49,6 +49,12 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     """
     mailbox = _Mailbox(comm, step)
     send_releases = send_releases or {}
+    compute = [action for action in program if not action.kind.is_comm]
+    # Forwards whose backward runs next on this rank: there a stage that recomputes keeps the graph, which
+    # nothing else would wait beside (the last stage's forwards in 1F1B).
+    backward_next = {forward for forward, after in zip(compute, compute[1:])
+                     if forward.kind == Kind.F and after.kind in (Kind.B, Kind.I) and after.stage == forward.stage
+                     and after.mb == forward.mb}
     error: Exception | None = None
     for action in program:
         if action.kind.is_comm:
@@ -62,7 +68,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         if error is None:
             start = time.perf_counter()
             try:
-                result = _compute(action, stage, data, step)
+                result = _compute(action, stage, data, step, action in backward_next)
             except Exception as e:
                 error = e
                 for each in stages.values():
@@ -162,14 +168,16 @@ class _Mailbox:
             f"schedule left data unused: {list(self.received) + list(self.produced)}"
 
 
-def _compute(action: Action, stage: PipelineStage, data, step: StepData) -> torch.Tensor | None:
-    """Run one compute action; returns what it hands to a neighbouring stage (see `user_of`)."""
+def _compute(action: Action, stage: PipelineStage, data, step: StepData, backward_next: bool = False
+             ) -> torch.Tensor | None:
+    """Run one compute action; returns what it hands to a neighbouring stage (see `user_of`). `backward_next`: this
+    forward's backward is the rank's next compute action."""
     if action.kind == Kind.F:
         if stage.is_last:
             labels, scale = step.labels[action.mb], step.loss_scales[action.mb]
-            step.losses.append(stage.forward(action.mb, data, labels, scale, training=step.training))
+            step.losses.append(stage.forward(action.mb, data, labels, scale, step.training, backward_next))
             return None
-        out = stage.forward(action.mb, data, training=step.training)
+        out = stage.forward(action.mb, data, training=step.training, backward_next=backward_next)
         _check_activation(out, step, action)
         return out
     if action.kind == Kind.B:

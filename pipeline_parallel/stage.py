@@ -20,47 +20,71 @@ class PipelineStage:
 
     `forward` keeps the microbatch's input and output (the autograd graph between them) until
     `backward` consumes them, so peak memory is set by how many microbatches a schedule keeps
-    in flight. Inputs that arrive from another stage become leaves that require grad, so a
-    backward can return the gradient the previous stage needs.
+    in flight; with `recompute`, only the input, and the backward runs the forward again first.
+    Inputs that arrive from another stage become leaves that require grad, so a backward can
+    return the gradient the previous stage needs.
     """
 
-    def __init__(self, parts: DecoderParts, stage_idx: int, num_stages: int, autocast_dtype=None):
+    def __init__(self, parts: DecoderParts, stage_idx: int, num_stages: int, autocast_dtype=None,
+                 recompute: bool = False):
         self.parts = parts
         self.stage_idx = stage_idx
         self.num_stages = num_stages
         self.is_first = stage_idx == 0
         self.is_last = stage_idx == num_stages - 1
         self.autocast_dtype = autocast_dtype
-        self._saved: dict[int, _Saved] = {}
+        self.recompute = recompute
+        self._saved: dict[int, _Saved | _Replay] = {}
         self._pending_weights: dict[int, tuple[_WeightPass, HeadLoss | None]] = {}  # I done, W not yet
 
-    def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0, training: bool = True):
+    def forward(self, mb: int, x: torch.Tensor, labels=None, loss_scale: float = 1.0, training: bool = True,
+                backward_next: bool = False):
         """Forward microbatch `mb`; returns the output to hand on (the detached loss on the last stage).
 
-        With `training=False` no graph is built or kept (evaluation).
+        With `training=False` no graph is built or kept (evaluation). With `recompute`, a training
+        forward whose backward is not this stage's next action (`backward_next`) keeps no graph
+        either, only what it takes to run again, with one, right before its backward (`_Replay`).
         """
-        if not self.is_first and training:
+        if training and self.recompute and not backward_next:
+            replay = _Replay(x, labels, loss_scale, _RandomState.of(x.device))
+            out, _ = self._forward(x, labels, loss_scale, training=True, graph=False)
+            self._saved[mb] = replay
+            return out
+        out, saved = self._forward(x, labels, loss_scale, training, graph=training)
+        if saved is not None:
+            self._saved[mb] = saved
+        return out
+
+    def _forward(self, x: torch.Tensor, labels, loss_scale: float, training: bool, graph: bool
+                 ) -> tuple[torch.Tensor, _Saved | None]:
+        """The forward's output to hand on, and with `graph` what its backward needs. `training` picks the head's
+        path as a training step does, so a forward run again for its graph (`graph`) computes what it did."""
+        if not self.is_first and graph:
             x = x.detach().requires_grad_()
         # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
         seen = _ForwardSeen()  # what a split backward must know of this forward
-        with self._autocast(x), torch.set_grad_enabled(training), sparse_embedding_grad(self.parts.embed_tokens), \
-                _forward_watched(seen, training):
+        with self._autocast(x), torch.set_grad_enabled(graph), sparse_embedding_grad(self.parts.embed_tokens), \
+                _forward_watched(seen, graph):
             if self.is_last and head_loss_applies(self.parts.lm_head, training):
                 hidden = self.parts.forward(x, head=False)
-                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales, need_grad=training)
-                if training:
-                    self._saved[mb] = _Saved(x, hidden, seen, head)
-                return head.loss
+                head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales, need_grad=graph)
+                return head.loss, _Saved(x, hidden, seen, head) if graph else None
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
-        if training:
-            self._saved[mb] = _Saved(x, out, seen)
-        return out.detach()
+        return out.detach(), _Saved(x, out, seen) if graph else None
+
+    def _take_saved(self, mb: int) -> _Saved:
+        """What microbatch `mb`'s backward needs; a forward that kept no graph runs again, as it ran, to make it."""
+        saved = self._saved.pop(mb)
+        if isinstance(saved, _Replay):
+            with saved.random_state.restored():
+                _, saved = self._forward(saved.x, saved.labels, saved.loss_scale, training=True, graph=True)
+        return saved
 
     def backward(self, mb: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """Backward microbatch `mb`: accumulates weight grads, returns the input's grad (None on stage 0)."""
-        saved = self._saved.pop(mb)
+        saved = self._take_saved(mb)
         if saved.out.requires_grad:  # not so on a first stage whose parameters are all frozen
             torch.autograd.backward(saved.out, saved.grad_output(grad_output))
         if saved.head is not None:
@@ -74,7 +98,7 @@ class PipelineStage:
         """
         if self.is_first:
             raise ValueError("the first stage has no input gradient to send; its schedule runs B, not I and W")
-        saved = self._saved.pop(mb)
+        saved = self._take_saved(mb)
         weight_pass = _WeightPass(self.parts.parameters())
         self._pending_weights[mb] = (weight_pass, saved.head)
         return weight_pass.input_grad(saved.out, saved.x, saved.grad_output(grad_output), saved.seen)
@@ -115,6 +139,40 @@ class _Saved:
     def grad_output(self, received: torch.Tensor | None) -> torch.Tensor | None:
         """The gradient to start the backward from: the head's, else the one received."""
         return received if self.head is None else self.head.input_grad()
+
+
+@dataclass
+class _Replay:
+    """What a forward run without a graph keeps to run again with one (`PipelineStage.recompute`): its input,
+    labels and loss scale, and the random state it started from, so that dropout draws alike."""
+
+    x: torch.Tensor
+    labels: torch.Tensor | None
+    loss_scale: float
+    random_state: _RandomState
+
+
+@dataclass
+class _RandomState:
+    """The CPU's random state and, on a GPU, the device's: what dropout draws from."""
+
+    cpu: torch.Tensor
+    device: torch.device
+    accelerator: torch.Tensor | None
+
+    @classmethod
+    def of(cls, device: torch.device) -> _RandomState:
+        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), device, accelerator)
+
+    @contextlib.contextmanager
+    def restored(self):
+        """Within: this random state; afterwards, the one from before (the step's later draws go on as they would)."""
+        with torch.random.fork_rng(devices=[self.device] if self.accelerator is not None else []):
+            torch.set_rng_state(self.cpu)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield
 
 
 def inference_mode_error() -> str | None:

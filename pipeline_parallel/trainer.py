@@ -120,7 +120,8 @@ class Trainer:
         autocast = torch.bfloat16 if cfg.train.dtype == "bf16" else None
         self.pipe = Pipeline(model, cfg.pipeline.schedule, cfg.pipeline.num_microbatches,
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
-                             autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len)
+                             autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len,
+                             recompute=cfg.pipeline.recompute)
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
         with as_config_error("train.batch_size"):  # the same data on every rank, so the same outcome
             self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed, accum_steps=cfg.train.grad_accum_steps,

@@ -192,6 +192,11 @@ PIPELINE_CASES = {
     "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,
                               r"autocast_dtype must be torch.bfloat16, torch.float16 or None \(no autocast\), "
                               r"got 'bf16'"),
+    "recompute-string": (lambda r, w, g: _pipe(g, recompute="yes"), ValueError,
+                         r"recompute must be True or False, got 'yes'"),
+    "recompute-on-rank-1-only": (lambda r, w, g: _pipe(g, recompute=r == 1), ValueError,
+                                 r"the pipeline ranks disagree on 'recompute': every rank must construct the pipeline .* "
+                                 r"with the same recompute"),
     "autocast-dtype-on-rank-1-only": (lambda r, w, g: _pipe(g, autocast_dtype=torch.float64 if r == 1 else None),
                                       TypeError, r"pipeline rank 1: autocast_dtype must be .* got torch.float64"),
     "partly-on-meta": (lambda r, w, g: pp.Pipeline(_partly_on_meta(), device="cpu", group=g, num_microbatches=2),
@@ -693,7 +698,7 @@ def test_after_a_step_stopped_mid_transfer_the_pipeline_refuses_to_communicate()
 
 SINGLE = [
     "vocab-beyond-embedding", "classic-vocab-beyond-embedding",
-    "unknown-schedule", "schedule-none", "seed-none", "autocast-dtype-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
+    "unknown-schedule", "schedule-none", "seed-none", "autocast-dtype-string", "recompute-string", "partly-on-meta", "microbatches-zero", "microbatches-negative", "microbatches-float-after-a-plan",
     "split-bool-after-a-plan", "layout-linear", "layout-gpt2", "layout-rotary-none",
     "inputs-not-tensor", "labels-missing-on-last", "inputs-on-meta", "labels-sparse", "inputs-float", "inputs-1d", "inputs-too-big", "inputs-negative",
     "labels-shape", "labels-too-big", "labels-negative", "all-labels-ignored", "batch-not-divisible",

@@ -57,6 +57,7 @@ class Case:
     reentrant_checkpointing: bool = False  # HF gradient checkpointing with use_reentrant=True
     seq_len: int | None = None  # the sequence length the default split is balanced for (None: Pipeline's default)
     sparse_embedding: bool = False  # nn.Embedding(sparse=True): its backward makes a sparse gradient
+    recompute: bool = False  # activation recomputation: forwards keep their input, run again before their backward
     extra: dict = field(default_factory=dict)
 
     def __repr__(self):
@@ -70,6 +71,7 @@ CASES = {
         Case("w1-tied-gpipe-m2", schedule="gpipe", tie=True),
         Case("w1-own-meta-1f1b-m2", kind="own", meta=True, tie=True),
         Case("w1-tied-sparse-embedding-1f1b-m2", tie=True, sparse_embedding=True),
+        Case("w1-tied-gpipe-m3-recompute", schedule="gpipe", m=3, batch=6, tie=True, recompute=True),
     ],
     2: [
         Case("w2-gpipe-m2", schedule="gpipe", m=2),
@@ -104,6 +106,10 @@ CASES = {
                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")))),
         Case("w2-reentrant-checkpointing-1f1b-split-all", m=2, split=2, reentrant_checkpointing=True),
+        Case("w2-gpipe-m4-recompute", schedule="gpipe", m=4, batch=8, recompute=True),
+        Case("w2-tied-sparse-embedding-1f1b-m3-recompute-split-all", m=3, batch=6, tie=True, sparse_embedding=True,
+             split=3, recompute=True),
+        Case("w2-qwen2-1f1b-m4-recompute", kind="qwen2", m=4, batch=8, recompute=True),
     ],
     4: [
         Case("w4-gpipe-m4", schedule="gpipe", m=4, layers=8),
@@ -117,6 +123,7 @@ CASES = {
         Case("w4-tied-1f1b-m4", m=4, tie=True, layers=4),
         Case("w4-own-meta-tied-1f1b-m6", kind="own", meta=True, tie=True, m=6, batch=6, layers=8),
         Case("w4-tied-1f1b-m4-accumulate", m=4, tie=True, layers=4, accumulate=True),
+        Case("w4-own-1f1b-m6-recompute", kind="own", m=6, batch=6, layers=8, recompute=True),
     ],
 }
 
@@ -145,7 +152,7 @@ def _run_case(rank: int, world_size: int, case: Case, index: int, group=None) ->
             enable_checkpointing(model, reentrant=True)
         counts = list(case.layer_counts) if case.layer_counts else None
         pipe = pp.Pipeline(model, schedule=case.schedule, num_microbatches=case.m, layer_counts=counts,
-                           device="cpu", seed=7, group=group, split=case.split,
+                           device="cpu", seed=7, group=group, split=case.split, recompute=case.recompute,
                            **({"seq_len": case.seq_len} if case.seq_len else {}))
         error = None
     except Exception:
@@ -1058,3 +1065,20 @@ def test_a_frozen_model_evaluates():
     assert pipe.evaluate(x, y) == pytest.approx(want, abs=1e-5)
     with pytest.raises(RuntimeError, match="no parameter of the model requires grad"):
         pipe.step(x, y)
+
+
+def test_recompute_draws_dropout_as_the_forward_did():
+    """A recomputed forward runs from the random state its first run had, so its dropout masks, hence the
+    gradients, are those of the step without recompute, bit for bit; and the step leaves the random state where
+    that step leaves it. (Which microbatches recompute: GPipe's first three of 4 on one stage.)"""
+    x, y = make_batch(8, 8, num_microbatches=4)
+    runs = []
+    for recompute in (False, True):
+        pipe = pp.Pipeline(build("llama", 2, seed=3, attention_dropout=0.5), schedule="gpipe", num_microbatches=4,
+                           device="cpu", recompute=recompute)
+        torch.manual_seed(11)
+        loss = pipe.step(x, y)
+        runs.append((loss, grads(pipe.model), torch.get_rng_state()))
+    (loss, kept, state), (recomputed_loss, recomputed, recomputed_state) = runs
+    assert recomputed_loss == loss and torch.equal(recomputed_state, state)
+    assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from _dist import run_distributed
 from _models import build, make_batch
 
@@ -67,3 +68,69 @@ def test_sent_tensors_do_not_pile_up(evaluate):
     transfers, like 1F1B's activations, do not grow with the number of microbatches."""
     few, many = (run_distributed(_peak_held_by_transfers, 2, m, evaluate, timeout=120) for m in (4, 12))
     assert few == many, (few, many)
+
+
+class _Held:
+    """A tensor autograd saved for the backward, counted while the graph keeps it (see `_peak_activation_bytes`)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _peak_activation_bytes(rank: int, world_size: int, schedule: str, num_microbatches: int, recompute: bool,
+                           seq: int = 32) -> tuple[int, int]:
+    """The most bytes of activations (tensors autograd saved for the backward, not parameters) this rank's graphs
+    held at once during a step, counted as each is saved until autograd lets go of it; and how many forwards of its
+    stage ran."""
+    import weakref
+
+    pipe = pp.Pipeline(build("llama", 4), schedule=schedule, num_microbatches=num_microbatches, device="cpu",
+                       recompute=recompute)
+    weights = {p.untyped_storage().data_ptr() for p in pipe.parameters()}
+    live = peak = 0
+
+    def release(nbytes):
+        nonlocal live
+        live -= nbytes
+
+    def pack(tensor):
+        nonlocal live, peak
+        if tensor.untyped_storage().data_ptr() in weights:
+            return tensor
+        held, nbytes = _Held(tensor), tensor.untyped_storage().nbytes()
+        live += nbytes
+        peak = max(peak, live)
+        weakref.finalize(held, release, nbytes)
+        return held
+
+    forwards, parts_forward = 0, pipe.stage.parts.forward
+
+    def counted_forward(*args, **kwargs):
+        nonlocal forwards
+        forwards += 1
+        return parts_forward(*args, **kwargs)
+
+    pipe.stage.parts.forward = counted_forward
+    x, y = make_batch(2 * num_microbatches, seq, num_microbatches=num_microbatches)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: getattr(held, "tensor", held)):
+        pipe.step(x, y)
+    assert live == 0, "a finished step must hold no activations"
+    return peak, forwards
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_recompute_holds_one_microbatchs_activations(schedule):
+    """With `recompute` a stage keeps only each microbatch's input between its forward and its backward, which
+    runs the forward again first: its graphs hold one microbatch's activations at a time, where without it GPipe's
+    hold all of them and 1F1B's as many as are in flight (the first stage's two of 2). A forward whose backward
+    comes next keeps its graph and runs once: the last microbatch's in GPipe (whose backwards run last first),
+    every one on 1F1B's last stage."""
+    m = 4
+    (kept, kept_forwards), (recomputed, forwards) = (
+        zip(*run_distributed(_peak_activation_bytes, 2, schedule, m, recompute, timeout=120))
+        for recompute in (False, True))
+    assert kept_forwards == (m, m) and forwards == ((2 * m - 1,) * 2 if schedule == "gpipe" else (2 * m, m))
+    in_flight = [m, m] if schedule == "gpipe" else [2, 1]
+    for rank, held in enumerate(in_flight):
+        one = kept[rank] / held
+        assert recomputed[rank] == pytest.approx(one, rel=0.02), (schedule, rank, kept, recomputed)

@@ -1045,6 +1045,23 @@ def test_grad_accumulation_equals_one_larger_batch(corpus, tmp_path, world_size,
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
+def test_recompute_trains_as_without_it(corpus, tmp_path):
+    """`pipeline.recompute` changes what a step holds, not what it computes: on 2 ranks (the first stage
+    recomputes every forward of 1F1B) the losses are those of the run without it, bit for bit."""
+    steps = {"train.max_steps": 3, "eval.interval": 0}
+    kept, recomputed = (run_distributed(_fit_recomputing, 2, make_cfg(tmp_path / name, corpus, **steps, **extra))
+                        for name, extra in (("kept", {}), ("recomputed", {"pipeline.recompute": True})))
+    assert [recompute for recompute, _ in kept] == [False, False]
+    assert [recompute for recompute, _ in recomputed] == [True, True]
+    assert [r["loss"] for r in kept[0][1]] == [r["loss"] for r in recomputed[0][1]] and len(kept[0][1]) == 3
+
+
+def _fit_recomputing(rank, world_size, cfg):
+    """Whether this rank's stage recomputes, and the run's metrics."""
+    trainer = Trainer(cfg)
+    return trainer.pipe.stage.recompute, trainer.fit()
+
+
 def test_bf16_autocast(corpus, tmp_path):
     fp32 = run(make_cfg(tmp_path / "fp32", corpus, **{"train.max_steps": 2, "eval.interval": 0}))
     bf16 = run(make_cfg(tmp_path / "bf16", corpus, **{"train.max_steps": 2, "eval.interval": 0, "train.dtype": "bf16"}))
