@@ -17,7 +17,7 @@ from .models.families import check_layout
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import build_schedule, estimated_duration, relative_costs, send_releases
+from .schedules import build_schedule, estimated_duration, recomputed, relative_costs, send_releases
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -31,14 +31,16 @@ def planning_costs(config, layer_counts: list[int], seq_len: int) -> tuple[float
 
 
 def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tuple[float, ...],
-                 forward_only: bool = False, split: int | None = None) -> tuple[list, dict]:
-    """This rank's validated action list of `schedule`, planned with these relative stage costs, and
-    when it may let go of each send before the step's end (see `send_releases`).
+                 forward_only: bool = False, split: int | None = None, recompute: bool = False) -> tuple[list, dict]:
+    """This rank's validated action list of `schedule`, planned with these relative stage costs (for stages
+    that recompute, with `recompute`), and when it may let go of each send before the step's end (see
+    `send_releases`).
 
     Plans are kept (`_planned`): planning the split of backwards takes time (seconds at 32 stages),
     and a Pipeline whose sequence lengths vary, or the classic API, asks again and again.
     """
-    args = (schedule, comm.pp_size, num_microbatches, comm.prefetch_receives, tuple(costs), forward_only, split)
+    args = (schedule, comm.pp_size, num_microbatches, comm.prefetch_receives, tuple(costs), forward_only, split,
+            recompute)
     try:
         programs, releases = _planned(*args)
     except TypeError:  # an unhashable, so bad, argument: build_schedule says what is wrong with it
@@ -48,10 +50,12 @@ def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tu
 
 # Typed: 2.0 == 2 and True == 1 hash alike, and a hit must not hand back a plan build_schedule would refuse them.
 @functools.lru_cache(maxsize=256, typed=True)
-def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split) -> tuple:
+def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split, recompute) -> tuple:
     lowered = build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch, forward_only=forward_only,
-                             stage_costs=list(costs), split=split)
-    duration = estimated_duration(relative_costs(list(costs), num_stages))  # as the plan was made with
+                             stage_costs=list(costs), split=split, recompute=recompute)
+    # As the plan was made with, and the runtime recomputes: the forwards whose backward does not come next.
+    duration = estimated_duration(relative_costs(list(costs), num_stages),
+                                  recomputed(lowered) if recompute and not forward_only else frozenset())
     return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages, duration))
 
 
@@ -106,7 +110,7 @@ class Pipeline:
         self.stage_idx = self.pp_rank
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1
         num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
-        self.num_microbatches, self.schedule, self.split = num_microbatches, schedule, split
+        self.num_microbatches, self.schedule, self.split, self.recompute = num_microbatches, schedule, split, recompute
         model_config = model_settings(getattr(model, "config", None))
         self._settings = fingerprint(
             schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
@@ -174,8 +178,8 @@ class Pipeline:
         """This rank's action list for batches of `seq_len` (one plan serves lengths of near costs), and
         its sends to let go of early."""
         return rank_program(self.schedule, self.comm, self.num_microbatches,
-                            planning_costs(config, layer_counts, seq_len),
-                            forward_only=forward_only, split=None if forward_only else self.split)
+                            planning_costs(config, layer_counts, seq_len), forward_only=forward_only,
+                            split=None if forward_only else self.split, recompute=self.recompute and not forward_only)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
         """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""

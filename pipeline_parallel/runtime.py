@@ -9,7 +9,7 @@ import torch
 
 from .comm import PipeComm
 from .schedules import Action, Kind
-from .schedules.actions import input_of, peer_rank, recv_of, result_of, sent_by, user_of
+from .schedules.actions import backward_next, input_of, peer_rank, recv_of, result_of, sent_by, user_of
 from .stage import PipelineStage
 
 
@@ -49,12 +49,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
     """
     mailbox = _Mailbox(comm, step)
     send_releases = send_releases or {}
-    compute = [action for action in program if not action.kind.is_comm]
-    # Forwards whose backward runs next on this rank: there a stage that recomputes keeps the graph, which
-    # nothing else would wait beside (the last stage's forwards in 1F1B).
-    backward_next = {forward for forward, after in zip(compute, compute[1:])
-                     if forward.kind == Kind.F and after.kind in (Kind.B, Kind.I) and after.stage == forward.stage
-                     and after.mb == forward.mb}
+    kept_graph = backward_next(program)  # forwards a stage that recomputes keeps the graph of
     error: Exception | None = None
     for action in program:
         if action.kind.is_comm:
@@ -68,7 +63,7 @@ def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: P
         if error is None:
             start = time.perf_counter()
             try:
-                result = _compute(action, stage, data, step, action in backward_next)
+                result = _compute(action, stage, data, step, action in kept_graph)
             except Exception as e:
                 error = e
                 for each in stages.values():

@@ -8,8 +8,9 @@ import torch.distributed as dist
 from _schedules import looped
 
 from pipeline_parallel import ScheduleError, build_schedule
-from pipeline_parallel.schedules import (B, F, Kind, choose_split, estimated_duration, gpipe, lower, makespan,
-                                         one_f_one_b, send_releases, simulate, split_backwards, validate)
+from pipeline_parallel.schedules import (B, F, Kind, backward_next, choose_split, estimated_duration, gpipe, lower,
+                                         makespan, one_f_one_b, recomputed, send_releases, simulate, split_backwards,
+                                         validate)
 from pipeline_parallel.schedules.actions import Action, I, W
 
 STAGES = range(1, 7)
@@ -702,6 +703,7 @@ def test_a_list_of_compute_actions_given_to_validate_is_told_to_be_lowered():
     (lambda: simulate(one_f_one_b(2, 1), 2, lambda a: 1.0, transfer=float("nan")), r"transfer must be a finite"),
     (lambda: simulate(one_f_one_b(2, 1), 2, lambda a: 1.0, transfer=float("inf")), r"transfer must be a finite"),
     (lambda: build_schedule("1f1b", 2, 4, prefetch="no"), r"prefetch must be True or False, got 'no'"),
+    (lambda: build_schedule("1f1b", 2, 4, recompute=1), r"recompute must be True or False, got 1"),
     (lambda: build_schedule("1f1b", 2, 4, forward_only=True, split=3),
      r"split=3 with forward_only=True: a forward-only schedule has no backwards to split"),
     (lambda: choose_split(one_f_one_b(3, 4), 3, [1.0, 1.0]), r"stage_costs has 2 entries but there are 3 stages"),
@@ -736,6 +738,23 @@ def test_estimated_duration_takes_the_costs_as_given():
     assert duration(F(1, 0)) == 4.0 and duration(B(1, 0)) == 8.0 and duration(B(0, 0)) == 0.0
     with pytest.raises(ValueError, match=r"stage_costs\[1\] must be a finite number >= 0, got -1\.0"):
         estimated_duration([1.0, -1.0])
+
+
+def test_what_a_stage_that_recomputes_runs_again():
+    """A forward whose backward is the rank's next compute action (transfers between them or not) keeps its graph;
+    every other one runs again: 1F1B's first stage all of them, its last none, GPipe's all but the last
+    microbatch's (its backwards run last first). The planner counts the forward again in their backward."""
+    assert recomputed(one_f_one_b(2, 4)) == {(0, mb) for mb in range(4)}
+    assert recomputed(gpipe(2, 4)) == {(stage, mb) for stage in (0, 1) for mb in range(3)}
+    assert recomputed(lower(one_f_one_b(2, 4), 2)) == recomputed(one_f_one_b(2, 4))
+    assert backward_next([F(1, 0), I(1, 0), F(1, 1), W(1, 0), B(1, 1), F(1, 2), B(1, 1)]) == {F(1, 0)}
+    duration = estimated_duration([1.0, 2.0], recomputed={(1, 0)})
+    assert [duration(a) for a in (F(1, 0), B(1, 0), I(1, 0), W(1, 0), B(1, 1), I(1, 1))] == pytest.approx(
+        [2.0, 6.0, 4.2, 2.2, 4.0, 2.2])
+    for name in ("gpipe", "1f1b"):  # planned for it, the split suits it better (2 stages, 8 microbatches)
+        plain, planned = (build_schedule(name, 2, 8, recompute=recompute) for recompute in (False, True))
+        duration = estimated_duration([1.0, 1.0], recomputed(planned))
+        assert makespan(simulate(planned, 2, duration)) < makespan(simulate(plain, 2, duration)) - 0.5
 
 
 def test_times_given_as_zero_dim_tensors_are_numbers():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_int
-from .actions import Action, B, F, I, Kind, Schedule, W, stage_to_rank, stages_of_rank
+from .actions import Action, B, F, I, Kind, Schedule, W, backward_next, recomputed, stage_to_rank, stages_of_rank
 from .gpipe import gpipe
 from .lowering import add_transfers, lower
 from .one_f_one_b import one_f_one_b
@@ -17,7 +17,7 @@ SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 
 def build_schedule(
     name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False,
-    stage_costs: list[float] | None = None, split: int | None = None,
+    stage_costs: list[float] | None = None, split: int | None = None, recompute: bool = False,
 ) -> Schedule:
     """The validated, lowered per-rank action lists of a named schedule (`forward_only`: its forwards).
 
@@ -25,7 +25,9 @@ def build_schedule(
     default, whichever split the simulator finds fastest for these relative forward costs per
     stage (equal if None; see `choose_split`); the costs also decide where each W goes. With
     `prefetch` each receive is posted one compute action before the action that needs it (see
-    `lower`); without, right before it, in the order NCCL needs, which is checked too.
+    `lower`); without, right before it, in the order NCCL needs, which is checked too. With
+    `recompute` the split is planned for stages that run a forward again before its backward
+    (`actions.recomputed`).
     """
     key = name.lower() if isinstance(name, str) else None
     if key not in SCHEDULES:
@@ -33,10 +35,12 @@ def build_schedule(
     num_stages, num_microbatches = check_int("num_stages", num_stages), check_int("num_microbatches", num_microbatches)
     check_bool("prefetch", prefetch)
     check_bool("forward_only", forward_only)
+    check_bool("recompute", recompute)
     if forward_only and split is not None:
         raise ValueError(f"split={split!r} with forward_only=True: a forward-only schedule has no backwards to split")
-    duration = estimated_duration(relative_costs(stage_costs, num_stages))
+    costs = relative_costs(stage_costs, num_stages)
     compute = SCHEDULES[key](num_stages, num_microbatches)
+    duration = estimated_duration(costs, recomputed(compute) if recompute else frozenset())
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     else:
@@ -49,7 +53,7 @@ def build_schedule(
 
 
 __all__ = [
-    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "build_schedule", "choose_split",
-    "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "send_releases", "simulate", "split_backwards",
-    "stage_to_rank", "stages_of_rank", "validate",
+    "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "backward_next", "build_schedule",
+    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "recomputed", "send_releases",
+    "simulate", "split_backwards", "stage_to_rank", "stages_of_rank", "validate",
 ]

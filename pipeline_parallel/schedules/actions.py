@@ -66,6 +66,20 @@ def W(stage: int, mb: int) -> Action:
     return Action(Kind.W, stage, mb)
 
 
+def backward_next(actions: list[Action]) -> set[Action]:
+    """The forwards of a rank's list whose backward (B or I) is its next compute action: a stage that recomputes
+    (`PipelineStage.recompute`) keeps their graph, as nothing would be held beside it (1F1B's last stage)."""
+    compute = [a for a in actions if not a.kind.is_comm]
+    return {forward for forward, after in zip(compute, compute[1:])
+            if forward.kind == Kind.F and after.kind in (Kind.B, Kind.I) and after[1:] == forward[1:]}
+
+
+def recomputed(schedule: Schedule) -> set[tuple[int, int]]:
+    """The (stage, mb) whose forward a stage that recomputes runs again before its backward: all but `backward_next`."""
+    return {(a.stage, a.mb) for actions in schedule for a in set(actions) - backward_next(actions)
+            if a.kind == Kind.F}
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def result_of(action: Action) -> Action | None:
     """What a compute action hands to a neighbouring stage: the activation `F(stage, mb)` or the

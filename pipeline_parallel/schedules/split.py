@@ -87,12 +87,19 @@ def relative_costs(stage_costs: list[float] | None, num_stages: int) -> list[flo
     return [cost / max(costs) for cost in costs]
 
 
-def estimated_duration(stage_costs: list[float]) -> Callable[[Action], float]:
+def estimated_duration(stage_costs: list[float], recomputed: AbstractSet[tuple[int, int]] = frozenset()
+                       ) -> Callable[[Action], float]:
     """The cost model the split is chosen with: a stage's forward costs `stage_costs[stage]`, its
-    backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2."""
+    backward twice that, and each half of a split backward half of that plus SPLIT_OVERHEAD / 2; the
+    backward (B or I) of a (stage, mb) in `recomputed` (see `actions.recomputed`) runs its forward again first."""
     share = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0 + SPLIT_OVERHEAD, Kind.W: 1.0 + SPLIT_OVERHEAD}
     costs = [check_nonnegative(f"stage_costs[{stage}]", cost) for stage, cost in enumerate(stage_costs)]
-    return lambda action: costs[action.stage] * share[action.kind]
+
+    def duration(action: Action) -> float:
+        again = action.kind in (Kind.B, Kind.I) and (action.stage, action.mb) in recomputed
+        return costs[action.stage] * (share[action.kind] + again)
+
+    return duration
 
 
 def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:
