@@ -56,7 +56,8 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     split (earlier stages take the remainder). Among splits with the same costliest stage, the one
     whose next costliest stage is cheapest, and so on (7 equal layers on 3 stages: [3, 2, 2], not
     [3, 3, 1]); then earlier stages take the extra layers, as in the even split. An exact dynamic
-    programme over split points, well under a second for real models.
+    programme over split points, each stage's layers bounded first by the least costliest stage a split
+    can have: a fraction of a second at hundreds of stages.
     """
     num_layers, num_stages = _check_stage_count(num_layers, num_stages)
     if costs is not None and not isinstance(costs, StageCosts):
@@ -68,16 +69,19 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     # of two, so that every division is exact and the split is the one the costs themselves give.
     unit = 2.0 ** (math.frexp(max(costs.layer, costs.embedding, costs.head))[1] - 1)
 
+    # Every stage of the best split costs at most the least costliest stage any split can have: each takes at
+    # most the layers that keep it within that (`caps`), which leaves the programme below few splits to compare.
+    caps = _caps(_least_costliest_stage(num_layers, num_stages, costs, unit), num_layers, num_stages, costs, unit)
     # best[n]: the best split of the first n layers over the stages placed so far, as (stage costs costliest
     # first, counts). Splits compare by those costs (leximax), then by counts with earlier stages larger. Adding
     # the same later stages to two splits keeps their order, so keeping only the best of each n is exact.
     best: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] = {0: ((), ())}
     for stage in range(num_stages):
         placed: dict[int, tuple[tuple, tuple[int, ...]]] = {}
-        last_n = num_layers - (num_stages - stage - 1)  # leave a layer for each later stage
+        later = sum(caps[stage + 1:])  # the most layers the later stages can take
         for k, (prev_costs, prev_counts) in best.items():
-            for n in range(k + 1, last_n + 1):  # this stage takes layers k..n-1
-                stage_costs_desc = list(prev_costs)
+            for n in range(max(k + 1, num_layers - later), min(k + caps[stage], num_layers) + 1):
+                stage_costs_desc = list(prev_costs)  # this stage takes layers k..n-1
                 bisect.insort(stage_costs_desc, _stage_cost(n - k, stage, num_stages, costs, unit), key=operator.neg)
                 counts = prev_counts + (n - k,)
                 key = (tuple(stage_costs_desc), tuple(-c for c in counts))
@@ -85,6 +89,37 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
                     placed[n] = (key, counts)
         best = {n: (key[0], counts) for n, (key, counts) in placed.items()}
     return list(best[num_layers][1])
+
+
+def _least_costliest_stage(num_layers: int, num_stages: int, costs: StageCosts, unit: float) -> float:
+    """The smallest cost of a split's costliest stage: the least stage cost at which the stages, each taking
+    as many layers as keep it within it (at least one), hold them all. Binary search over the stage costs."""
+    candidates = sorted({_stage_cost(n, stage, num_stages, costs, unit)
+                         for stage in {0, num_stages - 1, min(1, num_stages - 1)} for n in range(1, num_layers + 1)})
+    low, high = 0, len(candidates) - 1  # the largest candidate, a stage of every layer, always suffices
+    while low < high:
+        middle = (low + high) // 2
+        if sum(_caps(candidates[middle], num_layers, num_stages, costs, unit)) >= num_layers:
+            high = middle
+        else:
+            low = middle + 1
+    return candidates[low]
+
+
+def _caps(limit: float, num_layers: int, num_stages: int, costs: StageCosts, unit: float) -> list[int]:
+    """The most layers each stage can take at a cost of at most `limit` (at least one, so that every stage has
+    one), from its cost by `_stage_cost` itself, so the bounds are exactly those of the costs compared."""
+    caps = []
+    for stage in range(num_stages):
+        low, high = 1, num_layers  # the largest count within the limit, or 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if _stage_cost(middle, stage, num_stages, costs, unit) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        caps.append(low)
+    return caps
 
 
 def stage_costs(layer_counts: list[int], costs: StageCosts) -> list[float]:

@@ -95,9 +95,11 @@ def test_cost_aware_split_minimises_the_costliest_stage_then_the_next(costs):
             assert _costs_desc(counts, costs) == pytest.approx(best), (layers, stages, counts)
 
 
-def test_huge_head_still_leaves_one_layer_per_stage():
-    counts = balanced_layer_counts(6, 3, StageCosts(layer=1.0, head=1e9))
-    assert counts[-1] == 1 and min(counts) >= 1 and sum(counts) == 6, counts
+@pytest.mark.parametrize("head", [1e9, 1e300])
+def test_huge_head_still_leaves_one_layer_per_stage(head):
+    """Also where a layer more or less on the head's stage is lost in rounding (1e300 + 1 == 1e300): that split
+    took every layer it could, the others one each ([1, 1, 4]), as if they were free."""
+    assert balanced_layer_counts(6, 3, StageCosts(layer=1.0, head=head)) == [3, 2, 1]
 
 
 @pytest.mark.parametrize("costs", [
@@ -204,6 +206,7 @@ def test_estimate_costs_counts_each_matmul_of_a_layer():
 
 @pytest.mark.parametrize("layers, stages, expected", [
     (5, 2, [3, 2]), (7, 2, [4, 3]), (3, 2, [2, 1]), (7, 3, [3, 2, 2]), (10, 4, [3, 3, 2, 2]), (11, 3, [4, 4, 3]),
+    (256, 128, [2] * 128), (257, 128, [3] + [2] * 127),
 ])
 def test_cost_balanced_ties_go_to_the_larger_earlier_stages(layers, stages, expected):
     """Equal layers and free ends give the even split: of the splits with the same costliest stage, the one whose
