@@ -95,11 +95,14 @@ def test_cost_aware_split_minimises_the_costliest_stage_then_the_next(costs):
             assert _costs_desc(counts, costs) == pytest.approx(best), (layers, stages, counts)
 
 
-@pytest.mark.parametrize("head", [1e9, 1e300])
-def test_huge_head_still_leaves_one_layer_per_stage(head):
-    """Also where a layer more or less on the head's stage is lost in rounding (1e300 + 1 == 1e300): that split
-    took every layer it could, the others one each ([1, 1, 4]), as if they were free."""
-    assert balanced_layer_counts(6, 3, StageCosts(layer=1.0, head=head)) == [3, 2, 1]
+@pytest.mark.parametrize("costs, expected", [
+    (StageCosts(layer=1.0, head=1e9), [3, 2, 1]), (StageCosts(layer=1.0, head=1e300), [3, 2, 1]),
+    (StageCosts(layer=1.0, embedding=1e300), [1, 3, 2]), (StageCosts(layer=1.0, embedding=1e300, head=1e300), [1, 4, 1]),
+])
+def test_huge_ends_still_leave_one_layer_per_stage(costs, expected):
+    """Also where a layer more or less on the head's (or embedding's) stage is lost in rounding (1e300 + 1 ==
+    1e300): that split took every layer it could, the others one each ([1, 1, 4]), as if they were free."""
+    assert balanced_layer_counts(6, 3, costs) == expected
 
 
 @pytest.mark.parametrize("costs", [

@@ -1082,3 +1082,65 @@ def test_recompute_draws_dropout_as_the_forward_did():
     (loss, kept, state), (recomputed_loss, recomputed, recomputed_state) = runs
     assert recomputed_loss == loss and torch.equal(recomputed_state, state)
     assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
+
+
+@pytest.mark.parametrize("watch", ["hook", "frozen"])
+def test_recompute_leaves_a_watched_head_to_autograd(watch):
+    """A head whose weight's gradient is watched (a hook) or that is frozen runs under autograd, not `HeadLoss`: so
+    too when its forward runs again (GPipe on one stage recomputes the first three of 4 microbatches), where the
+    hook fired once, for the microbatch not recomputed."""
+    x, y = make_batch(8, 8, num_microbatches=4)
+    runs = []
+    for recompute in (False, True):
+        pipe = pp.Pipeline(build("llama", 2, seed=3), schedule="gpipe", num_microbatches=4, device="cpu",
+                           recompute=recompute)
+        calls = []
+        if watch == "hook":
+            pipe.model.lm_head.weight.register_hook(lambda grad: calls.append(grad.clone()))
+        else:
+            pipe.model.lm_head.weight.requires_grad_(False)
+        runs.append((pipe.step(x, y), len(calls), grads(pipe.model)))
+    (loss, calls, kept), (recomputed_loss, recomputed_calls, recomputed) = runs
+    assert recomputed_calls == calls == (4 if watch == "hook" else 0)
+    assert recomputed_loss == loss and ("lm_head.weight" in kept) == (watch == "hook")
+    assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
+
+
+def test_recompute_reports_the_loss_a_watched_head_gives(monkeypatch):
+    """With a hook on the head's weight the loss comes from autograd's path (one sum over the tokens), and so does
+    that of a forward that keeps no graph: `HeadLoss`, a chunk at a time, sums in another order (here one token a
+    chunk), which differed in the last bits."""
+    from pipeline_parallel import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 1)
+    for seed in (2, 3, 5):
+        x, y = make_batch(8, 16, vocab=1000, seed=seed, num_microbatches=4)
+        losses = []
+        for recompute in (False, True):
+            pipe = pp.Pipeline(build("llama", 2, vocab=1000, seed=seed), schedule="gpipe", num_microbatches=4,
+                               device="cpu", recompute=recompute)
+            pipe.model.lm_head.weight.register_hook(lambda grad: grad)
+            losses.append(pipe.step(x, y))
+        assert losses[0] == losses[1], seed
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_recomputing_pipeline_runs_the_plan_made_for_recompute(schedule):
+    """Each rank gets the split planned for stages that run forwards again (`build_schedule(recompute=True)`), and
+    lets go of its sends where the simulated step with those forwards says, not the plan of a pipeline without."""
+    from types import SimpleNamespace
+
+    from pipeline_parallel import pipeline as pipeline_module
+    from pipeline_parallel.schedules import estimated_duration, recomputed, send_releases
+
+    pipeline_module._planned.cache_clear()
+    costs = (1.0, 1.0)
+    want = pp.build_schedule(schedule, 2, 8, stage_costs=list(costs), recompute=True)
+    want_releases = send_releases(want, 2, estimated_duration(list(costs), recomputed(want)))
+    plain = pp.build_schedule(schedule, 2, 8, stage_costs=list(costs))
+    assert want != plain or send_releases(plain, 2, estimated_duration(list(costs))) != want_releases
+    for rank in range(2):
+        comm = SimpleNamespace(pp_size=2, pp_rank=rank, prefetch_receives=True)
+        pipeline_module.rank_program(schedule, comm, 8, costs)  # a plan without recompute first
+        program, releases = pipeline_module.rank_program(schedule, comm, 8, costs, recompute=True)
+        assert program == want[rank] and releases == want_releases[rank]
