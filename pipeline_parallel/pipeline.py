@@ -55,7 +55,7 @@ def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_on
                              stage_costs=list(costs), split=split, recompute=recompute)
     # As the plan was made with, and the runtime recomputes: the forwards whose backward does not come next.
     duration = estimated_duration(relative_costs(list(costs), num_stages),
-                                  recomputed(lowered) if recompute and not forward_only else frozenset())
+                                  recomputed(lowered) if recompute else frozenset())
     return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages, duration))
 
 

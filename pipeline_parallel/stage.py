@@ -45,14 +45,11 @@ class PipelineStage:
         forward whose backward is not this stage's next action (`backward_next`) keeps no graph
         either, only what it takes to run again, with one, right before its backward (`_Replay`).
         """
-        if training and self.recompute and not backward_next:
-            replay = _Replay(x, labels, loss_scale, _RandomState.of(x.device))
-            out, _ = self._forward(x, labels, loss_scale, training=True, graph=False)
-            self._saved[mb] = replay
-            return out
-        out, saved = self._forward(x, labels, loss_scale, training, graph=training)
-        if saved is not None:
-            self._saved[mb] = saved
+        graph = training and (backward_next or not self.recompute)
+        replay = _Replay(x, labels, loss_scale, _RandomState.of(x.device)) if training and not graph else None
+        out, saved = self._forward(x, labels, loss_scale, training, graph)
+        if training:
+            self._saved[mb] = saved if graph else replay
         return out
 
     def _forward(self, x: torch.Tensor, labels, loss_scale: float, training: bool, graph: bool
