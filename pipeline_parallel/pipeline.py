@@ -233,7 +233,7 @@ class Pipeline:
             modules = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
             tie_replaced = self._tied_weight is not None and self._tied_weight is not (
                 self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
-        except (AttributeError, KeyError, IndexError) as e:
+        except Exception as e:  # any: raised here, before the ranks agree, it would leave the others waiting
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
         # By name: a part set to None drops out of `modules`, which would shift every later name.
