@@ -1067,21 +1067,31 @@ def test_a_frozen_model_evaluates():
         pipe.step(x, y)
 
 
-def test_recompute_draws_dropout_as_the_forward_did():
-    """A recomputed forward runs from the random state its first run had, so its dropout masks, hence the
-    gradients, are those of the step without recompute, bit for bit; and the step leaves the random state where
-    that step leaves it. (Which microbatches recompute: GPipe's first three of 4 on one stage.)"""
+def _recompute_dropout_worker(rank, world_size, split):
     x, y = make_batch(8, 8, num_microbatches=4)
     runs = []
     for recompute in (False, True):
-        pipe = pp.Pipeline(build("llama", 2, seed=3, attention_dropout=0.5), schedule="gpipe", num_microbatches=4,
-                           device="cpu", recompute=recompute)
-        torch.manual_seed(11)
+        pipe = pp.Pipeline(build("llama", 2 * world_size, seed=3, attention_dropout=0.5), schedule="gpipe",
+                           num_microbatches=4, device="cpu", recompute=recompute, split=split)
+        torch.manual_seed(11 + rank)
         loss = pipe.step(x, y)
         runs.append((loss, grads(pipe.model), torch.get_rng_state()))
     (loss, kept, state), (recomputed_loss, recomputed, recomputed_state) = runs
-    assert recomputed_loss == loss and torch.equal(recomputed_state, state)
-    assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
+    return (recomputed_loss == loss, torch.equal(recomputed_state, state), kept.keys() == recomputed.keys(),
+            [n for n in kept if not torch.equal(kept[n], recomputed[n])])
+
+
+@pytest.mark.parametrize("world_size, split", [(1, None), (2, 2)])
+def test_recompute_draws_dropout_as_the_forward_did(world_size, split):
+    """A recomputed forward runs from the random state its first run had, so its dropout masks, hence the
+    gradients, are those of the step without recompute, bit for bit (under the same split: another one adds the
+    weight gradients up in another order); and the step leaves the random state where that step leaves it.
+    (Which microbatches recompute: GPipe's first three of 4 on each stage; on 2 ranks the last stage's last two
+    backwards split, the recomputed graph serving both passes.)"""
+    results = (run_distributed(_recompute_dropout_worker, world_size, split) if world_size > 1
+               else [_recompute_dropout_worker(0, 1, split)])
+    for same_loss, same_state, same_names, differing in results:
+        assert same_loss and same_state and same_names and differing == []
 
 
 @pytest.mark.parametrize("watch", ["hook", "frozen"])
