@@ -25,11 +25,27 @@ def join_group(cfg: Config) -> bool:
     """Join torchrun's process group unless there is one; returns whether this call created it."""
     if world_size() == 1 or dist.is_initialized():
         return False
-    if _use_cuda(cfg):
-        dist.init_process_group("nccl", device_id=_local_gpu())
-    else:
-        dist.init_process_group("gloo")
+    with _stop_signals_end_the_process():
+        if _use_cuda(cfg):
+            dist.init_process_group("nccl", device_id=_local_gpu())
+        else:
+            dist.init_process_group("gloo")
     return True
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_process():
+    """Inside, SIGINT and SIGTERM end the process at once, as by default. Waiting for the other ranks to join
+    holds this process in torch's C++ code, where a Python handler runs only once they came: torchrun's SIGTERM,
+    after a rank failed before joining (a command line it could not read), was then answered by its SIGKILL
+    30 s later. Nothing is written before the group exists, so there is nothing to clean up."""
+    handlers = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def setup_device(cfg: Config) -> torch.device:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -530,6 +531,31 @@ def test_the_first_stop_signal_raises_once_and_a_signal_the_launcher_ignores_sta
         (signal.default_int_handler, signal.SIG_DFL)
     with stop_signals_raise():
         assert stop_asked() is None
+
+
+def _main_waiting_for_a_rank_that_never_joins(run_dir, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    main(["--run-dir", run_dir])
+
+
+def test_a_stop_signal_ends_a_rank_waiting_for_the_others_to_join(tmp_path):
+    """A rank whose command line failed exits before joining; torchrun then sends the others SIGTERM, whose Python
+    handler could not run while torch's C++ code waited for that rank to join, until torchrun's SIGKILL 30 s later."""
+    port = _free_port()
+    rank0 = multiprocessing.get_context("fork").Process(
+        target=_main_waiting_for_a_rank_that_never_joins, args=(str(tmp_path), port), daemon=True)
+    rank0.start()
+    for _ in range(600):  # until its store listens: it waits in the join
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        time.sleep(0.05)
+    os.kill(rank0.pid, signal.SIGTERM)
+    rank0.join(timeout=60)  # a guard against the wait the signal used to leave it in (the group's 30 min)
+    if rank0.is_alive():
+        rank0.kill()
+    assert rank0.exitcode == -signal.SIGTERM
+    assert not any(tmp_path.iterdir())  # nothing was written before the group existed
 
 
 def test_an_interrupted_run_ends_with_one_line_that_says_how_to_resume(runs, tmp_path, monkeypatch, capsys,
