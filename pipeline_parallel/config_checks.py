@@ -66,6 +66,9 @@ def validate(cfg: Config, world_size: int) -> None:
     t, o, d, p, values = cfg.train, cfg.optim, cfg.data, cfg.pipeline, settings(cfg)
     check(cfg.run_dir.strip() != "", "run_dir is empty (an unset variable?): give the directory the run writes to, "
                                      "such as runs/mine")
+    check(all(path.strip() for path in d.path), f"data.path {d.path} has an empty entry (an unset variable?), which "
+          "would read the current directory: give files, directories or hf:NAME, or leave data.path out to train on "
+          "the Python standard library")
     check(cfg.model.preset in PRESETS, f"model.preset {cfg.model.preset!r} is not one of {', '.join(PRESETS)}")
     try:
         check_seed("seed", cfg.seed)

@@ -163,7 +163,12 @@ def test_config_errors(tmp_path, corpus):
                                 ("seed", 2**64, r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
                                 ("num_threads", 2**31, r"num_threads 2147483648 is more than torch can set \(at most "
                                                        r"2147483647; 0 gives each rank the node's cores / its ranks\)"),
-                                ("run_dir", " ", "run_dir is empty")):  # it wrote the run into the current directory
+                                ("run_dir", " ", "run_dir is empty"),  # it wrote the run into the current directory
+                                # "" read the current directory ("data.path = ''" in TOML) or, on the command line,
+                                # the standard library
+                                ("data.path", [""], r"data.path \[''\] has an empty entry \(an unset variable\?\)"),
+                                ("data.path", ["a.txt", " "], r"data.path .* has an empty entry .* leave data.path out "
+                                                             r"to train on the Python standard library")):
         with pytest.raises(ConfigError, match=message):
             validate(with_overrides(cfg, **{key: value}), 1)
     # The bounds themselves are settings that work: a constant lr, a model exactly the tokenizer's size.
@@ -218,6 +223,11 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     # A key's value is the next argument whatever it looks like: "-h" used to print the help instead.
     cfg = parse_args(["--export.prompt", "-h", "--resume", "--data.path", "--notes.txt", "--config=" + str(toml)])
     assert (cfg.export.prompt, cfg.resume, cfg.data.path, cfg.run_dir) == ("-h", "latest", ["--notes.txt"], "r")
+    # An empty path stays one, for validate to refuse (an unset $DATA trained on the standard library); an empty list
+    # of numbers is the default.
+    cfg = parse_args(["--data.path", "", "--pipeline.layer-counts", ""])
+    assert (cfg.data.path, cfg.pipeline.layer_counts) == ([""], [])
+    assert parse_args(["--data.path", "a.txt,,b.txt"]).data.path == ["a.txt", "", "b.txt"]
     with pytest.raises(ConfigError, match=r"unexpected argument '1e-3'; overrides look like --optim.lr 1e-3 "
                                           r"\(--train.max-steps took '--optim.lr' as its value: give it one\)"):
         parse_args(["--train.max_steps", "--optim.lr", "1e-3"])  # the message named only what was typed right
