@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -39,8 +40,9 @@ def _stop_signals_end_the_process():
     holds this process in torch's C++ code, where a Python handler runs only once they came: torchrun's SIGTERM,
     after a rank failed before joining (a command line it could not read), was then answered by its SIGKILL
     30 s later. Nothing is written before the group exists, so there is nothing to clean up."""
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
     handlers = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(signum) != signal.SIG_IGN}
+                if main and signal.getsignal(signum) != signal.SIG_IGN}
     try:
         yield
     finally:
