@@ -41,13 +41,8 @@ def _stop_signals_end_the_process():
     after a rank failed before joining (a command line it could not read), was then answered by its SIGKILL
     30 s later. Nothing is written before the group exists, so there is nothing to clean up."""
     main = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    handlers = {signum: signal.signal(signum, signal.SIG_DFL) for signum in (signal.SIGINT, signal.SIGTERM)
-                if main and signal.getsignal(signum) != signal.SIG_IGN}
-    try:
+    with _stop_signals_handled_by(signal.SIG_DFL) if main else contextlib.nullcontext():
         yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
 
 
 def setup_device(cfg: Config) -> torch.device:
@@ -116,13 +111,21 @@ def stop_signals_raise():
     """Inside, SIGINT and SIGTERM raise `Interrupted`; the handlers before are restored after. A signal
     the launcher ignores (SIGINT in a job started with `&` or nohup) stays ignored."""
     _stops.clear()
-    handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(signum) != signal.SIG_IGN}
+    with _stop_signals_handled_by(_on_signal):
+        yield
+
+
+@contextlib.contextmanager
+def _stop_signals_handled_by(handler):
+    """Inside, SIGINT and SIGTERM go to `handler`, but one the launcher ignores (SIGINT in a job started with `&`
+    or nohup), which stays ignored; the handlers before are restored after."""
+    before = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)
+              if signal.getsignal(signum) != signal.SIG_IGN}
     try:
         yield
     finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+        for signum, was in before.items():
+            signal.signal(signum, was)
 
 
 def _on_signal(signum, frame) -> None:
