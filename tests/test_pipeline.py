@@ -1067,16 +1067,22 @@ def test_a_frozen_model_evaluates():
         pipe.step(x, y)
 
 
+def _without_and_with_recompute(model, run, **options) -> list:
+    """`run(pipe)` on a GPipe pipeline of 4 microbatches of a `model()` without recompute, then on one with."""
+    return [run(pp.Pipeline(model(), schedule="gpipe", num_microbatches=4, device="cpu", recompute=recompute,
+                            **options)) for recompute in (False, True)]
+
+
 def _recompute_dropout_worker(rank, world_size, split):
     x, y = make_batch(8, 8, num_microbatches=4)
-    runs = []
-    for recompute in (False, True):
-        pipe = pp.Pipeline(build("llama", 2 * world_size, seed=3, attention_dropout=0.5), schedule="gpipe",
-                           num_microbatches=4, device="cpu", recompute=recompute, split=split)
+
+    def run(pipe):
         torch.manual_seed(11 + rank)
         loss = pipe.step(x, y)
-        runs.append((loss, grads(pipe.model), torch.get_rng_state()))
-    (loss, kept, state), (recomputed_loss, recomputed, recomputed_state) = runs
+        return loss, grads(pipe.model), torch.get_rng_state()
+
+    (loss, kept, state), (recomputed_loss, recomputed, recomputed_state) = _without_and_with_recompute(
+        lambda: build("llama", 2 * world_size, seed=3, attention_dropout=0.5), run, split=split)
     return (recomputed_loss == loss, torch.equal(recomputed_state, state), kept.keys() == recomputed.keys(),
             [n for n in kept if not torch.equal(kept[n], recomputed[n])])
 
@@ -1100,17 +1106,17 @@ def test_recompute_leaves_a_watched_head_to_autograd(watch):
     too when its forward runs again (GPipe on one stage recomputes the first three of 4 microbatches), where the
     hook fired once, for the microbatch not recomputed."""
     x, y = make_batch(8, 8, num_microbatches=4)
-    runs = []
-    for recompute in (False, True):
-        pipe = pp.Pipeline(build("llama", 2, seed=3), schedule="gpipe", num_microbatches=4, device="cpu",
-                           recompute=recompute)
+
+    def run(pipe):
         calls = []
         if watch == "hook":
             pipe.model.lm_head.weight.register_hook(lambda grad: calls.append(grad.clone()))
         else:
             pipe.model.lm_head.weight.requires_grad_(False)
-        runs.append((pipe.step(x, y), len(calls), grads(pipe.model)))
-    (loss, calls, kept), (recomputed_loss, recomputed_calls, recomputed) = runs
+        return pipe.step(x, y), len(calls), grads(pipe.model)
+
+    (loss, calls, kept), (recomputed_loss, recomputed_calls, recomputed) = _without_and_with_recompute(
+        lambda: build("llama", 2, seed=3), run)
     assert recomputed_calls == calls == (4 if watch == "hook" else 0)
     assert recomputed_loss == loss and ("lm_head.weight" in kept) == (watch == "hook")
     assert kept.keys() == recomputed.keys() and all(torch.equal(kept[n], recomputed[n]) for n in kept)
@@ -1125,12 +1131,12 @@ def test_recompute_reports_the_loss_a_watched_head_gives(monkeypatch):
     monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 1)
     for seed in (2, 3, 5):
         x, y = make_batch(8, 16, vocab=1000, seed=seed, num_microbatches=4)
-        losses = []
-        for recompute in (False, True):
-            pipe = pp.Pipeline(build("llama", 2, vocab=1000, seed=seed), schedule="gpipe", num_microbatches=4,
-                               device="cpu", recompute=recompute)
+
+        def run(pipe):
             pipe.model.lm_head.weight.register_hook(lambda grad: grad)
-            losses.append(pipe.step(x, y))
+            return pipe.step(x, y)
+
+        losses = _without_and_with_recompute(lambda: build("llama", 2, vocab=1000, seed=seed), run)
         assert losses[0] == losses[1], seed
 
 
