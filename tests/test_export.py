@@ -848,6 +848,12 @@ def test_the_end_of_a_run_exports_and_samples_as_its_settings_say(corpus, tmp_pa
     assert {tensor.dtype for tensor in load_file(tmp_path / "run" / "export" / "model.safetensors").values()} == \
         {torch.bfloat16}
     assert not (tmp_path / "run" / "loss.png").exists()
+    # export.temperature = 0: the greedy sample, not one drawn (which differs from it after one step).
+    greedy = sample(model, tokenizer, "def ", max_new_tokens=6, temperature=0)
+    assert greedy != want
+    report_run_end(with_overrides(cfg, **{"export.temperature": 0.0}), tmp_path / "run" / "metrics.jsonl",
+                   latest_checkpoint(tmp_path / "run"), None)
+    assert capsys.readouterr().out.endswith(f"sample:\n{greedy}\n")
     # export.sample_tokens = 0: the export, and no sample.
     last = latest_checkpoint(tmp_path / "run")
     report_run_end(with_overrides(cfg, **{"export.sample_tokens": 0}), tmp_path / "run" / "metrics.jsonl", last, None)
