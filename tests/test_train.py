@@ -36,7 +36,7 @@ from pipeline_parallel.data import prepare_data
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.launch import Interrupted, stop_asked, stop_signals_raise
 from pipeline_parallel.metrics import MetricsLogger, bubble_fraction, plot_loss, read_metrics
-from pipeline_parallel.optim import build_optimizer
+from pipeline_parallel.optim import build_optimizer, lr_at
 from pipeline_parallel.resume import RunComplete
 from pipeline_parallel.tokenizer import load_tokenizer
 from pipeline_parallel.train import main, run
@@ -445,6 +445,15 @@ def test_the_learning_rate_warms_up_to_lr_then_reaches_min_lr_at_the_last_step(r
     assert want[6] == pytest.approx(min_lr, rel=1e-12)
 
 
+def test_the_learning_rate_stays_at_min_lr_from_lr_decay_steps_to_the_last_step():
+    """Every run decayed to its last step (lr_decay_steps = max_steps), so a cosine that went on past
+    lr_decay_steps, back up towards lr, would have gone unseen."""
+    cfg = OptimConfig(lr=1e-2, min_lr=3e-4, warmup_steps=2, lr_decay_steps=4)
+    lrs = [lr_at(step, cfg, max_steps=8) for step in range(8)]  # steps 1 to 8
+    assert lrs[:3] == pytest.approx([5e-3, 1e-2, 3e-4 + 0.5 * (1e-2 - 3e-4)], rel=1e-12)  # step 3: half way down
+    assert lrs[3:] == [3e-4] * 5
+
+
 def test_resume_settings_are_checked_before_the_data(runs, corpus, tmp_path):
     whole = runs[0]
     metrics = (whole / "metrics.jsonl").read_text()
@@ -775,16 +784,18 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
             "train (nothing was changed). To train further, raise train.max_steps; to export that checkpoint "
             f"again: python -m pipeline_parallel.export {last}\n")
         assert files() == before
-    # Another model in that run_dir (the default one after the quick start): meant as a new run, which it
-    # did not start, and said it trained nothing, exit code 0.
-    config.write_text(to_toml(make_cfg(run_dir, corpus, **{"model.num_hidden_layers": 3})))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--config", str(config)])
-    assert exit_info.value.code == 2 and files() == before
-    assert capsys.readouterr().err == (
-        f"error: the run in {run_dir} is complete (step_000006, train.max_steps 6), and it was started with other "
-        "settings (model.num_hidden_layers 4 there, 3 now): nothing was changed. Give a new run_dir for a new run, "
-        "or its own settings to train it further or export it\n")
+    # Another model, data or seed in that run_dir (the default one after the quick start): meant as a new run,
+    # which it did not start, and said it trained nothing, exit code 0.
+    for change, differs in [({"model.num_hidden_layers": 3}, "model.num_hidden_layers 4 there, 3 now"),
+                            ({"data.seq_len": 16}, "data.seq_len 32 there, 16 now"), ({"seed": 1}, "seed 0 there, 1 now")]:
+        config.write_text(to_toml(make_cfg(run_dir, corpus, **change)))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", str(config)])
+        assert exit_info.value.code == 2 and files() == before
+        assert capsys.readouterr().err == (
+            f"error: the run in {run_dir} is complete (step_000006, train.max_steps 6), and it was started with "
+            f"other settings ({differs}): nothing was changed. Give a new run_dir for a new run, or its own settings "
+            "to train it further or export it\n")
 
 
 def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
@@ -1067,6 +1078,41 @@ def test_measured_idle_share_is_logged(runs):
         assert logged["effective_tokens_per_s"] == pytest.approx(logged["tokens_per_s"] / (1 - 1 / 5))
 
 
+def test_a_line_comes_every_log_interval_and_at_the_last_step_with_the_tokens_per_second_since_the_line_before(
+        corpus, tmp_path, monkeypatch):
+    """Every other run logged every step, one pipeline step each, so a last step off the interval left unlogged, a
+    rate averaged since the start, or one that left out grad_accum_steps' batches would have gone unseen. The clock
+    is the test's: step k takes k seconds."""
+    import pipeline_parallel.trainer as trainer_module
+
+    now = [0.0]
+    monkeypatch.setattr(trainer_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    train_step = Trainer.train_step
+
+    def timed(self):
+        record = train_step(self)
+        now[0] += self.step
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", timed)
+    trainer = Trainer(make_cfg(tmp_path, corpus, **{"log.interval": 4, "train.grad_accum_steps": 2,
+                                                   "eval.interval": 0}))
+    lines = [r for r in trainer.fit() if "loss" in r]
+    per_step = 2 * 8 * 32  # grad_accum_steps x batch_size x seq_len
+    assert [r["step"] for r in lines] == [4, 6]
+    assert [r["tokens_per_s"] for r in lines] == pytest.approx([4 * per_step / (1 + 2 + 3 + 4), 2 * per_step / (5 + 6)])
+    # The idle share is of the pipeline steps' time since the line before, all ranks' together.
+    trainer._busy_seconds, trainer._pipeline_seconds = 3.0, 4.0
+    assert trainer.measured_idle_fraction() == 0.25 and trainer.measured_idle_fraction() == 0.0
+
+
+def test_the_trainer_keeps_checkpoint_keep_last_checkpoints(corpus, tmp_path):
+    """save_checkpoint's rotation is tested alone; every run of the trainer kept all its checkpoints."""
+    run(make_cfg(tmp_path, corpus, **{"train.max_steps": 4, "eval.interval": 0, "checkpoint.interval": 1,
+                                      "checkpoint.keep_last": 2}))
+    assert [path.name for path in ckpt.saved_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+
+
 @pytest.mark.parametrize("world_size, tie", [(1, False), (2, True)])
 def test_grad_accumulation_equals_one_larger_batch(corpus, tmp_path, world_size, tie):
     """2 pipeline steps of 4 sequences per optimizer step train like 1 step of the same 8 sequences
@@ -1289,16 +1335,17 @@ class _FullFrom:
 
 
 def _metrics_failing(rank, world_size, cfgs):
-    """An uninterrupted run; then two whose metrics cannot be written from step 3 on (rank 1 writes them): in one
-    the disk has room again at the next line, in the other only after the run stopped, and it is resumed.
+    """An uninterrupted run; then two whose metrics cannot be written (rank 1 writes them): in one the line of step
+    4, a checkpoint's step with no eval line, fails once and the disk has room again for the save's retry; in the
+    other every line from step 3 on fails until the run stopped, and it is resumed.
     What stopped each run (None: nothing)."""
     whole, *runs = cfgs
     run(whole)
     said = []
-    for cfg, failures in zip(runs, (1, None)):
+    for cfg, (step, failures) in zip(runs, ((4, 1), (3, None))):
         trainer = Trainer(cfg)
         if trainer.metrics is not None:
-            trainer.metrics.file = _FullFrom(trainer.metrics.file, step=3, failures=failures)
+            trainer.metrics.file = _FullFrom(trainer.metrics.file, step=step, failures=failures)
         try:
             trainer.fit()
             said.append(None)
@@ -1384,12 +1431,12 @@ def test_the_optimizer_takes_every_configured_setting():
         (2e-3, (0.8, 0.7), 1e-5, 0.25), (2e-3, (0.8, 0.7), 1e-5, 0.0)]
 
 
-def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_clip(corpus, tmp_path):
+@pytest.mark.parametrize("clip", [0.05, 0.0])  # 0.05: below the gradients' norm at every step; 0.0: no clipping
+def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_clip(corpus, tmp_path, clip):
     """The logged lr is computed, not read from the optimizer, and the logged gradient norm is the one before
     clipping: an lr that never reached AdamW, or a clip that never happened, trained otherwise than logged, and
     alike in both runs the resume test compares. So watch the optimizer itself at each update: the lr of its
     groups, and the global norm of the gradients it steps with (one rank: the whole model's)."""
-    clip = 0.05  # below the gradients' norm at every step of this run, so every step is clipped
     trainer = Trainer(make_cfg(tmp_path, corpus, **{"eval.interval": 0, "optim.grad_clip": clip}))
     seen, real_update = [], trainer.optimizer.step
 
@@ -1408,7 +1455,12 @@ def test_each_update_steps_with_the_scheduled_lr_and_gradients_clipped_to_grad_c
     assert len(seen) == len(records) == 6
     for (lrs, norm), record, scheduled in zip(seen, records, want):
         assert lrs == {record["lr"]} and record["lr"] == pytest.approx(scheduled, rel=1e-12)
-        assert record["grad_norm"] > clip and norm == pytest.approx(clip, rel=1e-4), (record, norm)
+        if clip:
+            assert record["grad_norm"] > clip and norm == pytest.approx(clip, rel=1e-4), (record, norm)
+        else:
+            assert norm == pytest.approx(record["grad_norm"], rel=1e-4), (record, norm)
+    if not clip:  # norms a default clip of 1.0 would have cut
+        assert max(record["grad_norm"] for record in records) > 1, records
 
 
 @pytest.mark.parametrize("max_batches", [0, 2])
