@@ -845,8 +845,10 @@ def test_the_end_of_a_run_exports_and_samples_as_its_settings_say(corpus, tmp_pa
     assert want != sample(model, tokenizer, "def ", max_new_tokens=6, temperature=1.0, top_k=0, seed=0)
     out = capsys.readouterr().out
     assert out.endswith(f"Hugging Face model: {tmp_path / 'run' / 'export'}\nsample:\n{want}\n"), out
-    assert {tensor.dtype for tensor in load_file(tmp_path / "run" / "export" / "model.safetensors").values()} == \
-        {torch.bfloat16}
+    exported = load_file(tmp_path / "run" / "export" / "model.safetensors")
+    assert {tensor.dtype for tensor in exported.values()} == {torch.bfloat16}
+    assert not model.config.tie_word_embeddings  # so the export keeps the LM head, which the tied test drops
+    assert torch.equal(exported["lm_head.weight"], model.lm_head.weight.to(torch.bfloat16))
     assert not (tmp_path / "run" / "loss.png").exists()
     # export.temperature = 0: the greedy sample, not one drawn (which differs from it after one step).
     greedy = sample(model, tokenizer, "def ", max_new_tokens=6, temperature=0)
