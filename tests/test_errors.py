@@ -641,16 +641,19 @@ def _fails_mid_step_worker(rank, world_size):
         failure = None
     except Exception as e:
         failure = type(e).__name__, str(e), getattr(e, "__notes__", [])
+    finite = all(p.grad.isfinite().all() for p in pipe.parameters() if p.grad is not None)  # zeros handed on
     del layer.forward
     pipe.zero_grad()
-    return failure, *_clean_step(pipe, ref, x, y)
+    return failure, finite, *_clean_step(pipe, ref, x, y)
 
 
 def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
     """The other ranks cannot finish the step: the failing rank still makes the step's transfers (with zeros),
     every rank raises, none waits for a timeout, and after zero_grad the pipeline trains exactly again."""
     build("llama", 1)
-    (first, *results_0), (second, *results_1) = run_distributed(_fails_mid_step_worker, 2, timeout=TIMEOUT)
+    (first, finite_0, *results_0), (second, finite_1, *results_1) = run_distributed(_fails_mid_step_worker, 2,
+                                                                                     timeout=TIMEOUT)
+    assert finite_0 and finite_1, "the failing rank hands on zeros, which leave the other ranks' gradients finite"
     assert first[:2] == ("RuntimeError", "boom in microbatch 1"), first
     assert any("call zero_grad() before the next step" in note for note in first[2]), first
     assert second[0] == "RuntimeError" and re.search(

@@ -398,6 +398,43 @@ def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale, sparse):
             torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-12, msg=name)
 
 
+_NORM_TYPES = (1.0, 3.0, float("inf"))
+
+
+def _clip_by_norm_types_worker(rank, world_size):
+    """Each norm type's global norm and clipped gradients, from the same step's gradients."""
+    pipe = pp.Pipeline(build("llama", 4, tie=True).double(), num_microbatches=2, device="cpu")
+    pipe.step(*make_batch(4, 8, num_microbatches=2))
+    step_grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    out = {}
+    for norm_type in _NORM_TYPES:
+        for name, p in pipe.named_parameters():
+            p.grad.copy_(step_grads[name])
+        norm = pipe.clip_grad_norm_(1e-3, norm_type=norm_type).item()
+        out[norm_type] = norm, {name: p.grad.clone() for name, p in pipe.named_parameters()}
+    return out
+
+
+def test_clip_grad_norm_of_every_norm_type_is_the_single_process_one():
+    """Only the 2-norm was compared with one process: a pipeline that took any norm type as 2 within a rank or
+    across the ranks passed. The model is tied, so a 1-norm counting its LM head twice shows too."""
+    ref = build("llama", 4, tie=True).double()
+    x, y = make_batch(4, 8, num_microbatches=2)
+    torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+    step_grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
+    per_rank = run_distributed(_clip_by_norm_types_worker, 2, timeout=TIMEOUT)
+    for norm_type in _NORM_TYPES:
+        for name, p in ref.named_parameters():
+            p.grad = step_grads[name].clone()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type).item()
+        for out in per_rank:
+            norm, clipped = out[norm_type]
+            assert norm == pytest.approx(want, rel=1e-9), norm_type
+            for name, grad in clipped.items():
+                torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-15,
+                                           msg=f"{name}, norm type {norm_type}")
+
+
 def _clip_without_gradients_on_rank_0(rank, world_size):
     pipe = pp.Pipeline(_double_model(False), num_microbatches=2, device="cpu")
     pipe.step(*make_batch(4, 8, num_microbatches=2))
@@ -847,6 +884,34 @@ def test_sequence_lengths_with_near_costs_share_one_plan(monkeypatch):
     counts = pp.balanced_layer_counts(8, 4, pp.estimate_costs(config, 2048))
     keys = {pipeline_module.planning_costs(config, counts, seq_len) for seq_len in range(1, 2049)}
     assert len(keys) == 53
+
+
+def _planned_for_each_batch_worker(rank, world_size):
+    """A 2-rank GPipe Pipeline with the default microbatch count, stepped at one sequence length: its program,
+    and those planned for that length and for the length it was built for."""
+    from pipeline_parallel import pipeline as pipeline_module
+
+    model = build("llama", 4, vocab=1024)  # a head costly enough that the stages' relative costs follow seq_len
+    pipe = pp.Pipeline(copy.deepcopy(model), schedule="gpipe", device="cpu")
+    x, y = make_batch(4, 8, vocab=1024, num_microbatches=4)
+    loss, want_loss = pipe.step(x, y), full_loss(model, x, y).item()
+    planned = {seq_len: pipeline_module.rank_program(
+        "gpipe", pipe.comm, 4, pipeline_module.planning_costs(pipe.config, pipe.layer_counts, seq_len))[0]
+        for seq_len in (8, 2048)}
+    with pytest.raises(ValueError, match="does not split into 4 equal microbatches"):
+        pipe.step(*make_batch(2, 8, vocab=1024))
+    return pipe.num_microbatches, pipe.program, planned, loss, want_loss
+
+
+def test_a_step_runs_the_plan_made_for_its_sequence_length_on_twice_as_many_microbatches_as_stages():
+    """On one rank every length plans alike, and the test of plans shared across lengths ran there: a pipeline
+    that kept the plan made for the length it was built for passed, and so did another default microbatch
+    count than the README's twice the stages."""
+    per_rank = run_distributed(_planned_for_each_batch_worker, 2, timeout=TIMEOUT)
+    for m, program, planned, loss, want_loss in per_rank:
+        assert m == 4 and loss == pytest.approx(want_loss, abs=1e-5)
+        assert program == planned[8]
+    assert any(planned[8] != planned[2048] for _, _, planned, _, _ in per_rank), "the lengths must plan apart"
 
 
 def _stages_in_turn(model, counts, x):

@@ -309,8 +309,12 @@ def test_a_send_never_proven_taken_is_let_go_where_waiting_for_it_cannot_deadloc
         proven = send_releases(lowered, num_stages)
         for costs in [[1.0] * num_stages] + [[rng.uniform(0.2, 2.0) for _ in range(num_stages)] for _ in range(3)]:
             releases = send_releases(lowered, num_stages, estimated_duration(costs))
+            times = simulate(lowered, num_stages, estimated_duration(costs))
             for known, ours in zip(proven, releases):
                 assert all(set(sends) <= set(ours[at]) for at, sends in known.items())
+                for at, sends in ours.items():  # the others wait where the simulated step has them taken
+                    for send in set(sends) - set(known.get(at, ())):
+                        assert times[_taker(send, times)][1] <= times[at][0], (send, at)
             peaks = [_holding(actions, released)[0] for actions, released in zip(lowered, releases)]
             _assert_runs_to_the_end(lowered, num_stages, releases)
             if forward_only and num_stages == len(lowered) and costs == [1.0] * num_stages:
