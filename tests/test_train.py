@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+import types
 import zlib
 from datetime import timedelta
 from pathlib import Path
@@ -1086,7 +1087,7 @@ def test_a_line_comes_every_log_interval_and_at_the_last_step_with_the_tokens_pe
     import pipeline_parallel.trainer as trainer_module
 
     now = [0.0]
-    monkeypatch.setattr(trainer_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     train_step = Trainer.train_step
 
     def timed(self):
@@ -1100,13 +1101,14 @@ def test_a_line_comes_every_log_interval_and_at_the_last_step_with_the_tokens_pe
     lines = [r for r in trainer.fit() if "loss" in r]
     per_step = 2 * 8 * 32  # grad_accum_steps x batch_size x seq_len
     assert [r["step"] for r in lines] == [4, 6]
-    assert [r["tokens_per_s"] for r in lines] == pytest.approx([4 * per_step / (1 + 2 + 3 + 4), 2 * per_step / (5 + 6)])
+    want = [4 * per_step / (1 + 2 + 3 + 4), 2 * per_step / (5 + 6)]  # each line's tokens over its steps' seconds
+    assert [r["tokens_per_s"] for r in lines] == pytest.approx(want)
     # The idle share is of the pipeline steps' time since the line before, all ranks' together.
     trainer._busy_seconds, trainer._pipeline_seconds = 3.0, 4.0
     assert trainer.measured_idle_fraction() == 0.25 and trainer.measured_idle_fraction() == 0.0
 
 
-def test_the_trainer_keeps_checkpoint_keep_last_checkpoints(corpus, tmp_path):
+def test_a_run_keeps_only_its_newest_checkpoint_keep_last_checkpoints(corpus, tmp_path):
     """save_checkpoint's rotation is tested alone; every run of the trainer kept all its checkpoints."""
     run(make_cfg(tmp_path, corpus, **{"train.max_steps": 4, "eval.interval": 0, "checkpoint.interval": 1,
                                       "checkpoint.keep_last": 2}))
