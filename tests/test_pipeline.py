@@ -790,6 +790,22 @@ def test_a_layer_kind_without_a_mask_of_ours_is_refused():
         pp.Pipeline(model, num_microbatches=2, device="cpu")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])  # a causal family, a window family
+def test_a_layer_kind_a_family_s_forward_ignores_is_ignored(model_type):
+    """Only families whose forward masks by config.layer_types refuse a kind they do not know; the others' forwards
+    never read it, so a stage that refused it would refuse a model that runs (as the README says)."""
+    model = _family(model_type)
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    model.config.use_cache = False  # transformers' cache would read the kind's settings, which the test leaves out
+    ref = copy.deepcopy(model)
+    x, y = make_batch(4, 8, num_microbatches=2)
+    loss = pp.Pipeline(model, num_microbatches=2, device="cpu").step(x, y)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
+
+
 @pytest.mark.parametrize("model_type, extra, error, message", [
     ("nanochat", {}, TypeError, r"model_type 'nanochat'\) is not supported: .*a norm on the embeddings"),
     # eager: under sdpa a stage's full-attention mask is None and the layer's own is_causal=False, which agree
