@@ -637,17 +637,24 @@ def test_supported_model_families_match_their_own_forward(model_type, windows):
         with pytest.raises(TypeError, match="before transformers 5, Qwen2-MoE's forward applies its window"):
             pp.Pipeline(model, num_microbatches=2, device="cpu")
         return
-    ref = copy.deepcopy(model)
     x, y = make_batch(4, 8, num_microbatches=2)
+    ref_loss = _steps_as_its_own_forward(model, x, y, what=model_type)
+    if windows:
+        with torch.no_grad():
+            windowless = full_loss(_family(model_type), x, y).item()
+        assert (ref_loss != pytest.approx(windowless, abs=1e-4)) == (SUPPORTED_MODEL_TYPES[model_type] != "causal")
+
+
+def _steps_as_its_own_forward(model, x, y, what: str) -> float:
+    """Step `model` in a one-rank Pipeline and check its loss and gradients against the model's own forward and
+    backward (on a copy); returns that loss."""
+    ref = copy.deepcopy(model)
     loss = pp.Pipeline(model, num_microbatches=2, device="cpu").step(x, y)
     ref_loss = full_loss(ref, x, y)
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
-    assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
-    if windows:
-        with torch.no_grad():
-            windowless = full_loss(_family(model_type), x, y).item()
-        assert (ref_loss.item() != pytest.approx(windowless, abs=1e-4)) == (SUPPORTED_MODEL_TYPES[model_type] != "causal")
+    assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=what)
+    return ref_loss.item()
 
 
 def test_the_readme_names_every_supported_family():
@@ -797,13 +804,7 @@ def test_a_layer_kind_a_family_s_forward_ignores_is_ignored(model_type):
     model = _family(model_type)
     model.config.layer_types = ["chunked_attention", "full_attention"]
     model.config.use_cache = False  # transformers' cache would read the kind's settings, which the test leaves out
-    ref = copy.deepcopy(model)
-    x, y = make_batch(4, 8, num_microbatches=2)
-    loss = pp.Pipeline(model, num_microbatches=2, device="cpu").step(x, y)
-    ref_loss = full_loss(ref, x, y)
-    ref_loss.backward()
-    assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
-    assert_grads_close(grads(model), grads(ref), set(grads(ref)), what=model_type)
+    _steps_as_its_own_forward(model, *make_batch(4, 8, num_microbatches=2), what=model_type)
 
 
 @pytest.mark.parametrize("model_type, extra, error, message", [
