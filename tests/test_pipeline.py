@@ -401,18 +401,24 @@ def test_clip_grad_norm_keeps_the_gradients_dtype_and_range(scale, sparse):
 _NORM_TYPES = (1.0, 3.0, float("inf"))
 
 
-def _clip_by_norm_types_worker(rank, world_size):
-    """Each norm type's global norm and clipped gradients, from the same step's gradients."""
-    pipe = pp.Pipeline(build("llama", 4, tie=True).double(), num_microbatches=2, device="cpu")
-    pipe.step(*make_batch(4, 8, num_microbatches=2))
-    step_grads = {name: p.grad.clone() for name, p in pipe.named_parameters()}
+def _clipped_by_each_norm_type(named_parameters, clip) -> dict:
+    """{norm type: (the norm `clip(norm_type)` returns, every gradient by name after it)}, each clipping the same
+    gradients, those the parameters hold now."""
+    params = list(named_parameters)
+    step_grads = {name: p.grad.clone() for name, p in params}
     out = {}
     for norm_type in _NORM_TYPES:
-        for name, p in pipe.named_parameters():
-            p.grad.copy_(step_grads[name])
-        norm = pipe.clip_grad_norm_(1e-3, norm_type=norm_type).item()
-        out[norm_type] = norm, {name: p.grad.clone() for name, p in pipe.named_parameters()}
+        for name, p in params:
+            p.grad = step_grads[name].clone()
+        out[norm_type] = clip(norm_type).item(), {name: p.grad.clone() for name, p in params}
     return out
+
+
+def _clip_by_norm_types_worker(rank, world_size):
+    pipe = pp.Pipeline(build("llama", 4, tie=True).double(), num_microbatches=2, device="cpu")
+    pipe.step(*make_batch(4, 8, num_microbatches=2))
+    return _clipped_by_each_norm_type(pipe.named_parameters(),
+                                      lambda norm_type: pipe.clip_grad_norm_(1e-3, norm_type=norm_type))
 
 
 def test_clip_grad_norm_of_every_norm_type_is_the_single_process_one():
@@ -421,17 +427,15 @@ def test_clip_grad_norm_of_every_norm_type_is_the_single_process_one():
     ref = build("llama", 4, tie=True).double()
     x, y = make_batch(4, 8, num_microbatches=2)
     torch.nn.functional.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100).backward()
-    step_grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
-    per_rank = run_distributed(_clip_by_norm_types_worker, 2, timeout=TIMEOUT)
-    for norm_type in _NORM_TYPES:
-        for name, p in ref.named_parameters():
-            p.grad = step_grads[name].clone()
-        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type).item()
-        for out in per_rank:
-            norm, clipped = out[norm_type]
-            assert norm == pytest.approx(want, rel=1e-9), norm_type
+    want = _clipped_by_each_norm_type(  # under both names of the tied weight, as the two ends hold it
+        ref.named_parameters(remove_duplicate=False),
+        lambda norm_type: torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type))
+    for out in run_distributed(_clip_by_norm_types_worker, 2, timeout=TIMEOUT):
+        for norm_type, (norm, clipped) in out.items():
+            want_norm, want_grads = want[norm_type]
+            assert norm == pytest.approx(want_norm, rel=1e-9), norm_type
             for name, grad in clipped.items():
-                torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-9, atol=1e-15,
+                torch.testing.assert_close(grad, want_grads[name], rtol=1e-9, atol=1e-15,
                                            msg=f"{name}, norm type {norm_type}")
 
 
