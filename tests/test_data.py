@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -531,15 +532,25 @@ def test_ids_past_65535_are_kept_whole_in_the_token_cache(tmp_path):
     assert tokens.tolist() == [1, 65_536, 69_999, 70_001]
 
 
-def test_no_partial_token_cache_is_left_behind(tmp_path):
-    """Interrupted tokenising leaves no temporary file, and one left by a killed run on this host is removed."""
+def test_no_partial_token_cache_is_left_behind(tmp_path, monkeypatch):
+    """Interrupted tokenising leaves no temporary file, and one left by a killed run on this host is removed;
+    those of running processes, another user's among them, and of other hosts stay."""
     tok = train_bpe(make_docs(), vocab_size=300)
     host = socket.gethostname()
     killed = tmp_path / f".tokens-0123.uint16.bin.{host}.{2**31 - 2}.tmp"  # no such process
     running = tmp_path / f".tokens-0123.uint16.bin.{host}.{os.getpid()}.tmp"
+    another_user = tmp_path / f".tokens-0123.uint16.bin.{host}.4242.tmp"
     other_host = tmp_path / f".tokens-0123.uint16.bin.not-{host}.{2**31 - 2}.tmp"
-    for partial in (killed, running, other_host):
+    for partial in (killed, running, another_user, other_host):
         partial.write_bytes(b"\0" * 64)
+    real_kill = os.kill
+
+    def kill(pid, signum):  # what asking about another user's process gives
+        if pid == 4242:
+            raise PermissionError(1, "Operation not permitted")
+        return real_kill(pid, signum)
+
+    monkeypatch.setattr(os, "kill", kill)
 
     def interrupted():
         yield from ((doc, True) for doc in make_docs())
@@ -547,18 +558,41 @@ def test_no_partial_token_cache_is_left_behind(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         token_cache.write_tokens(interrupted(), tok, tmp_path / "tokens-4567.uint16.bin")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, other_host.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, another_user.name, other_host.name])
+    with pytest.raises(ValueError, match="no text to tokenise"):  # nothing to write: no file either
+        token_cache.write_tokens([], tok, tmp_path / "tokens-4567.uint16.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([running.name, another_user.name, other_host.name])
+
+
+def test_the_partial_token_cache_of_a_killed_process_is_removed_by_the_next_write(tmp_path):
+    """A process killed (kill -9) while tokenising leaves its temporary file, gigabytes on a large corpus: the
+    next write on the host removes it, which it tells from a live process's file by the pid in its name."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+
+    def killed():
+        def pieces():
+            yield from ((doc, True) for doc in make_docs(400))
+            os._exit(9)  # as if killed: no clean-up runs
+        token_cache.write_tokens(pieces(), tok, tmp_path / "tokens-1.uint16.bin")
+
+    child = multiprocessing.get_context("fork").Process(target=killed)
+    child.start()
+    child.join(60)
+    assert [p.name.startswith(".tokens-1.uint16.bin.") for p in tmp_path.iterdir()] == [True]  # its partial file
+    token_cache.write_tokens([("the lazy dog", True)], tok, tmp_path / "tokens-2.uint16.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens-2.uint16.bin", "tokens-2.uint16.sha256"]
 
 
 def test_a_damaged_token_cache_is_tokenized_again(tmp_path, caplog):
     """A cache cut short (by hand, or by a crash of the machine) was used silently, or failed to map with a
-    message naming no file; a record of its size, kept beside it, finds it now."""
+    message naming no file; a record of its size, kept beside it, finds it now, and one grown since."""
     src = write_texts(tmp_path / "txt", make_docs())
     first = D.prepare_data(tmp_path / "run", src, seq_len=8, vocab_size=300)
     (cache,) = (tmp_path / "run").glob("tokens-*.bin")
     record = cache.with_suffix(".sha256")
     as_before = record.read_text().split()[0] + "\n"  # what earlier versions recorded: the hash alone
-    for size, recorded in ((cache.stat().st_size - 1, None), (100, None), (0, None), (100, as_before)):
+    grown = cache.stat().st_size + 2  # a copy gone wrong: a token too many
+    for size, recorded in ((cache.stat().st_size - 1, None), (grown, None), (100, None), (0, None), (100, as_before)):
         os.truncate(cache, size)
         if recorded:
             record.write_text(recorded)
@@ -788,3 +822,102 @@ def test_a_tokenizer_whose_ids_leave_a_gap_covers_its_largest_id(tmp_path):
     assert tok.vocab_size == 70_001
     stream = token_cache.cached_tokens(tmp_path, tok, [("w1 rare w2", True)], {"sources": ["gap"]})
     assert stream.tolist() == [1, 70_000, 2, 1001]
+
+
+@pytest.mark.parametrize("kind", ["metaspace-first", "metaspace-always"])
+def test_a_long_document_cut_where_no_space_is_gives_the_tokens_of_the_whole_with_a_metaspace_tokenizer(tmp_path, kind):
+    """Pieces cut before a newline, or at max_chars inside a run of letters, start with no space: a Metaspace
+    pre-tokenizer must put no "▁" before them (the long-document test cuts only before spaces)."""
+    tok = _sentencepiece_like(kind)
+    text = "".join(f"{n:>10d}\n\n" for n in range(50)) + "x" * 300 + "\nend"
+    (tmp_path / "long.txt").write_text(text)
+    token_cache.write_tokens(S.iter_pieces([tmp_path / "long.txt"], max_chars=64), tok, tmp_path / "t.bin")
+    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint16).tolist() == tok.encode(text) + [tok.eos_id]
+
+
+def test_a_tokenizer_that_ends_documents_with_another_token_differs_in_its_document_ends():
+    """The same tokenizer.json with another end-of-text id (a tokenizer_config.json naming another eos_token) puts
+    other ids between documents: a checkpoint's check names the difference, not passes it as the same tokenizer."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    other = T.Tokenizer(tok.backend, tok.eos_id + 1)
+    assert other.fingerprint() != tok.fingerprint()
+    assert tokenizer_differences(other, tokenizer_record(tok)) == ["document ends"]
+
+
+def test_a_tokenizer_record_names_the_transformers_version_it_was_made_under():
+    """A tokenizer that loads differently later is met with advice to load it with the recorded version."""
+    from importlib.metadata import version
+
+    assert tokenizer_record(train_bpe(make_docs(), vocab_size=300))["transformers_version"] == version("transformers")
+
+
+def test_a_record_of_this_tokenizer_s_fingerprint_alone_names_no_difference():
+    """A record holding the fingerprint and no parts is this tokenizer when the fingerprint is its own, also
+    where the earlier forms of the fingerprint differ from it (empty subword affixes, as GPT-2's)."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(train_bpe(make_docs(), vocab_size=300).backend.to_str())
+    spec["model"].update(continuing_subword_prefix="", end_of_word_suffix="")
+    tok = T.Tokenizer(Tokenizer.from_str(json.dumps(spec)), 0)
+    assert tokenizer_differences(tok, {"tokenizer": tok.fingerprint()}) == []
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5])
+def test_a_cap_of_no_tokens_is_refused(tmp_path, max_tokens):
+    """0 was taken as a cap and then failed with "every document is empty"."""
+    tok = train_bpe(make_docs(), vocab_size=300)
+    with pytest.raises(ValueError, match=rf"max_tokens must be positive or None \(no cap\), got {max_tokens}"):
+        token_cache.cached_tokens(tmp_path, tok, [("the lazy dog", True)], {"sources": ["x"]}, max_tokens=max_tokens)
+
+
+def test_a_token_cache_reaches_the_disk_with_its_record_before_its_rename(tmp_path, monkeypatch):
+    """As atomic_write (test_checkpoint): the tokens are synced, then renamed into place, then their directory
+    synced; a record that cannot be written keeps the cache from its place, so no cache lacks its record."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tok, path = train_bpe(make_docs(), vocab_size=300), tmp_path / "tokens-1.uint16.bin"
+    token_cache.write_tokens([("the lazy dog", True)], tok, path)
+    tmp, real = os.path.realpath(token_cache.temporary_path(path)), os.path.realpath(path)
+    assert [e for e in events if e[1] in (tmp, real)] == [("fsync", tmp), ("replace", real)]
+    assert events[-1] == ("fsync", os.path.realpath(tmp_path))
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(token_cache, "atomic_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        token_cache.write_tokens([("the lazy dog", True)], tok, tmp_path / "tokens-2.uint16.bin")
+    assert not (tmp_path / "tokens-2.uint16.bin").exists()
+
+
+def test_prepare_data_refuses_a_sequence_length_or_held_out_fraction_out_of_range(tmp_path):
+    """Called directly, not through the config's checks: seq_len 0 built 1-token sequences, and a fraction of 1
+    said "too few sequences"."""
+    src = write_texts(tmp_path / "txt", make_docs())
+    with pytest.raises(ValueError, match="seq_len must be at least 1, got 0"):
+        D.prepare_data(tmp_path / "run", src, seq_len=0, vocab_size=300)
+    with pytest.raises(ValueError, match=r"eval_fraction must be in \[0, 1\), got 1"):
+        D.split_sequences(D.Sequences(np.arange(1000), seq_len=9), 1)
+
+
+def test_a_tokenizer_that_puts_two_tokens_before_a_text_has_no_one_bos():
+    """bos_id, which the export writes as bos_token_id, is the one token a tokenizer puts before a text, else
+    end-of-text."""
+    from tokenizers.processors import TemplateProcessing
+
+    backend = train_bpe(make_docs(), vocab_size=300).backend
+    backend.add_special_tokens(["<s>", "<sys>"])
+    ids = {name: backend.token_to_id(name) for name in ("<s>", "<sys>")}
+    backend.post_processor = TemplateProcessing(single="<s> <sys> $A", special_tokens=list(ids.items()))
+    tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
+    assert tok.document_ends == ([ids["<s>"], ids["<sys>"]], []) and tok.bos_id == tok.eos_id

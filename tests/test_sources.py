@@ -203,6 +203,8 @@ def test_hf_dataset_spec(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     assert documents(S.expand_sources("hf:org/name:cfg")) == ["from hub", "again"]
     assert calls == [("org/name", "cfg", "train")]
+    documents(["hf:org/name::test"])  # an empty config is datasets' default, None, not a config named ""
+    assert calls[-1] == ("org/name", None, "test")
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install datasets"):
         documents(["hf:org/name"])
@@ -265,3 +267,22 @@ def test_missing_path_and_empty_directory(tmp_path):
         S.expand_sources(tmp_path / "nope.txt")
     with pytest.raises(ValueError, match="no data files"):
         S.expand_sources(tmp_path)
+
+
+def test_a_record_or_row_whose_text_is_no_string_is_named(tmp_path):
+    """{"text": 5} stopped the run with a TypeError naming no file or line."""
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: field 'text' is int, not text"):
+        documents([tmp_path / "d.jsonl"])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r"d.parquet: column 'text' holds int, not text"):
+        documents([tmp_path / "d.parquet"])
+
+
+def test_an_empty_list_of_sources_is_refused():
+    """It said every document of the data was empty."""
+    with pytest.raises(ValueError, match="no data sources given"):
+        S.expand_sources([])
