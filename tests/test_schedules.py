@@ -419,7 +419,7 @@ def test_bad_stage_counts_and_costs_are_clear_errors(kwargs, message):
 def test_simulate_refuses_a_negative_or_unknown_duration():
     schedule = one_f_one_b(2, 2)
     assert makespan(simulate(schedule, 2, lambda a: 1.0)) > 0
-    for bad in (-1.0, float("nan"), float("inf")):
+    for bad in (-1.0, float("nan"), float("inf"), True):  # True is an int to Python, but no time
         with pytest.raises(ValueError, match=r"the duration of F0\.0 must be a finite number >= 0, got "):
             simulate(schedule, 2, lambda a: bad)
     # A number where the function of an action goes was Python's "'float' object is not callable".

@@ -74,7 +74,10 @@ _MORE_STEPS = {"train.max_steps": 8}  # for a resume of the complete 6-step runs
 
 
 def _fit(rank, world_size, cfg):
-    return run(cfg)
+    records = run(cfg)
+    # The group is run_distributed's, as a user's script may make one: the trainer must leave it to its maker.
+    assert dist.is_initialized(), "run() destroyed a process group it did not create"
+    return records
 
 
 def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
@@ -161,7 +164,13 @@ def test_config_errors(tmp_path, corpus):
                                 ("optim.beta1", 1.0, r"need 0 <= optim.beta1, beta2 < 1"),
                                 ("data.eval_fraction", 1.0, r"data.eval_fraction must be in \[0, 1\), got 1.0"),
                                 ("data.eval_fraction", 0.0, "eval.interval: data.eval_fraction = 0 holds out no"),
-                                ("seed", 2**64, r"seed must be an integer from 0 to 2\*\*63 - 1, got 18446744073709551616"),
+                                ("seed", 2**63, r"seed must be an integer from 0 to 2\*\*63 - 1, got 9223372036854775808"),
+                                ("log.interval", 0, "log.interval must be >= 1, got 0"),
+                                ("data.max_tokens", -1, "data.max_tokens must be >= 0, got -1"),
+                                ("train.dtype", "fp16", "train.dtype must be fp32 or bf16, got 'fp16'"),
+                                ("export.dtype", "fp16", "export.dtype must be fp32 or bf16, got 'fp16'"),
+                                ("device", "gpu", "device must be auto, cpu or cuda, got 'gpu'"),
+                                ("resume", "", "resume must be auto, latest, never or a complete checkpoint directory"),
                                 ("num_threads", 2**31, r"num_threads 2147483648 is more than torch can set \(at most "
                                                        r"2147483647; 0 gives each rank the node's cores / its ranks\)"),
                                 ("run_dir", " ", "run_dir is empty"),  # it wrote the run into the current directory
@@ -195,7 +204,12 @@ def test_config_errors(tmp_path, corpus):
     for text, message in ((transformers.GPT2Config(n_layer=2).to_json_string(), r"its config.json gives "
                            r"num_hidden_layers None, where a decoder-only model laid out as the pipeline splits it"),
                           ("{oops", r"its config.json is not JSON \(Expecting property name"),
-                          ("[1, 2]", r"its config.json holds a list, not the settings of a model")):
+                          ("[1, 2]", r"its config.json holds a list, not the settings of a model"),
+                          # a count written as text, as a float or as true is no number of layers to split
+                          *((transformers.LlamaConfig(num_hidden_layers=2).to_json_string()
+                             .replace('"num_hidden_layers": 2', f'"num_hidden_layers": {layers}'),
+                             rf"its config.json gives num_hidden_layers {re.escape(shown)}, where")
+                            for layers, shown in (('"2"', "'2'"), ("2.0", "2.0"), ("true", "True")))):
         config_json.write_text(text)
         with pytest.raises(ConfigError, match=message):
             validate(from_hf, 2)
@@ -333,6 +347,17 @@ def test_a_run_directory_another_run_holds_is_refused_until_that_run_ends(tmp_pa
     assert f"is in use by another run (pid {os.getpid()} on" in _lock_from_another_process(tmp_path / "run")
     trainer.fit()
     assert _lock_from_another_process(tmp_path / "run") == "locked"  # let go once the run finished
+
+
+def test_a_run_directory_locked_again_or_by_a_relative_path_is_let_go(tmp_path, monkeypatch):
+    """A run left unfinished in a process (an error in a notebook) does not bar the next one there, and a
+    run_dir given relative ("runs/mine") is let go by the name it was locked by."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    lock_dir(Path("run"))
+    lock_dir(tmp_path / "run")  # this process holds it already: nothing to do
+    unlock_dir(Path("run"))
+    assert _lock_from_another_process(tmp_path / "run") == "locked"
 
 
 def test_a_process_that_let_go_of_its_run_directory_holds_it_again_for_its_next_run(tmp_path):
