@@ -168,14 +168,16 @@ def _meta_problem(e: Exception) -> str:
 
 
 def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckpointError:
-    """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved other one that
-    is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where the
-    ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
-    # Not one of a run abandoned for this one's: the run went on from an earlier step. A meta.json that cannot be
-    # read counts as the newest save's, as that of the checkpoint a run resumes from mostly is.
+    """The error for a checkpoint that cannot be used as it was saved, naming the most recently saved one before it
+    that is complete; with `comm` (a load, whose every rank calls it) also whose files are as saved (`_intact`), where
+    the ranks go through rank 0's list of checkpoints, so that all name the same one and none waits for another."""
+    # Saved before it (a checkpoint named for a resume was chosen over the later ones), and not one of a run
+    # abandoned for this one's: the run went on from an earlier step. A meta.json that cannot be read counts as the
+    # newest save's, as that of the checkpoint a run resumes from mostly is.
     own = _save_order(path, unreadable=math.inf)
     orders = {p: _save_order(p) for p in _step_dirs(path.parent) if p != path}
-    others = sorted((p for p, order in orders.items() if not _abandoned(order, own)), key=orders.get, reverse=True)
+    others = sorted((p for p, order in orders.items() if order < own and not _abandoned(order, own)), key=orders.get,
+                    reverse=True)
     if comm is None:
         return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
     others = comm.all_gather_object(others)[0]

@@ -606,6 +606,19 @@ def test_a_damaged_newest_checkpoint_is_named_not_skipped(tmp_path, damage, why)
         load_checkpoint(latest_checkpoint(tmp_path), model, opt)
 
 
+def test_a_damaged_checkpoint_chosen_over_later_ones_is_met_with_one_saved_before_it(tmp_path):
+    """A resume from step 2 of three chose it over step 3 (which came after a divergence, say): its error named
+    step 3 as "an earlier one"."""
+    model = make_stage(0, 1)
+    opt = train(model)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last=0)
+    os.truncate(tmp_path / "checkpoints" / "step_000002" / ".metadata", 50)
+    with pytest.raises(ValueError, match=r"step_000002 is damaged \(its file .metadata has 50 bytes .*\); use an "
+                                         r"earlier one, such as .*step_000001$"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_000002", model, opt)
+
+
 def test_two_checkpoints_whose_meta_json_cannot_be_read_are_named_not_recursed_into(tmp_path):
     """Naming an earlier checkpoint than one whose meta.json cannot be read read the others', and the error of one that
     could not be read named an earlier one than it: a RecursionError. Step 2, when saved unknown, counts as older."""
