@@ -935,3 +935,71 @@ def test_a_load_into_a_model_with_pending_gradients_restores_the_optimizer_state
     load_checkpoint(path, other, other_opt)
     assert all(p.grad is None for p in other.parameters())
     assert_same(snapshot(other, other_opt), snapshot(model, opt))
+
+
+def test_a_negative_step_or_keep_last_is_refused_before_anything_is_written(tmp_path):
+    """A negative step was saved as step_-00001, which no later lookup finds; a negative keep_last
+    silently kept every checkpoint."""
+    model = make_stage(0, 1)
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got -1"):
+        save_checkpoint(tmp_path, -1, model, None, {}, keep_last=1)
+    with pytest.raises(ValueError, match=r"keep_last must be >= 0 \(0 keeps every checkpoint\), got -1"):
+        save_checkpoint(tmp_path, 1, model, None, {}, keep_last=-1)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_load_on_another_number_of_ranks_says_the_rng_is_not_restored(saved_on_two, caplog):
+    """The note that the RNG states were not restored is what tells a resharded run why its dropout
+    differs."""
+    run_dir, _ = saved_on_two
+    with caplog.at_level(logging.WARNING, logger="pipeline_parallel.checkpoint"):
+        load_checkpoint(latest_checkpoint(run_dir), make_stage(0, 1, seed=1), None)
+    assert "was saved on 2 rank(s), loading on 1: RNG states not restored" in caplog.text
+
+
+@pytest.mark.parametrize("listed", ["sorted", "reversed"])
+def test_a_step_beside_the_old_copy_a_killed_resave_left_is_the_step(tmp_path, monkeypatch, listed):
+    """A kill after a re-save renamed step_N into place, before it removed the old one at step_N.old, leaves
+    both: step_N is the checkpoint, whatever order the directory lists them in, and the next save drops the old."""
+    model = make_stage(0, 1)
+    ckpt_dir = tmp_path / "checkpoints"
+    save_checkpoint(tmp_path / "before", 2, model, None, {"step": "old"}, keep_last=0)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, None, {"step": step}, keep_last=0)
+    os.replace(tmp_path / "before" / "checkpoints" / "step_000002", ckpt_dir / "step_000002.old")
+    iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(iterdir(self), reverse=listed == "reversed")))
+    assert ckpt.saved_checkpoints(tmp_path) == [ckpt_dir / "step_000001", ckpt_dir / "step_000002"]
+    (ckpt_dir / "latest").unlink()  # the fallback, too
+    assert latest_checkpoint(tmp_path) == ckpt_dir / "step_000002"
+    save_checkpoint(tmp_path, 3, model, None, {"step": 3}, keep_last=0)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
+    assert read_extra(ckpt_dir / "step_000002") == {"step": 2}
+
+
+def test_the_latest_pointer_is_renamed_into_place_whole(tmp_path, monkeypatch):
+    """Written in place, a crash mid-write leaves `latest` empty or cut short; renamed into place, it names
+    the old checkpoint or the new."""
+    model = make_stage(0, 1)
+    save_checkpoint(tmp_path, 1, model, None, {}, keep_last=0)
+    replaced, real_replace = [], os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append(Path(dst).name), real_replace(src, dst))[1])
+    save_checkpoint(tmp_path, 2, model, None, {}, keep_last=0)
+    assert "latest" in replaced and (tmp_path / "checkpoints" / "latest").read_text() == "step_000002\n"
+
+
+def test_a_long_reason_from_torch_is_cut_at_the_end_of_a_sentence():
+    """The reason a damaged checkpoint's tensors cannot be read comes from torch, which can run to pages."""
+    assert ckpt._shortened("short") == "short"
+    assert ckpt._shortened("The file is cut short. " + "x" * 400) == "The file is cut short."
+    assert ckpt._shortened("y" * 400) == "y" * 300 + "..."
+
+
+def test_a_metadata_file_that_unpickles_to_no_metadata_is_refused(tmp_path):
+    """A .metadata of plain values (no class to refuse) stopped with an AttributeError from inside the load."""
+    model = make_stage(0, 1)
+    path = save_checkpoint(tmp_path, 1, model, None, {}, keep_last=1)
+    (path / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    unrecord(path)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata holds a dict, not Metadata"):
+        load_checkpoint(path, model, None)

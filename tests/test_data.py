@@ -921,3 +921,18 @@ def test_a_tokenizer_that_puts_two_tokens_before_a_text_has_no_one_bos():
     backend.post_processor = TemplateProcessing(single="<s> <sys> $A", special_tokens=list(ids.items()))
     tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
     assert tok.document_ends == ([ids["<s>"], ids["<sys>"]], []) and tok.bos_id == tok.eos_id
+
+
+def test_a_stream_made_one_version_before_names_only_the_change_since(tmp_path):
+    """A checkpoint of a stream of version 3 resumed by version 4: only what version 4 changed tells why the
+    streams differ, not what version 3 changed already (which both streams have)."""
+    from pipeline_parallel.config import ConfigError
+    from pipeline_parallel.resume import check_resumable
+    from pipeline_parallel.token_cache import STREAM_CHANGES
+
+    tok = train_bpe(make_docs(), vocab_size=300)
+    data = types.SimpleNamespace(tokenizer=tok, digest="1" * 64, version=4)
+    extra = {"model_config": {}, **tokenizer_record(tok), "data_digest": "0" * 64, "data_version": 3}
+    with pytest.raises(ConfigError) as raised:
+        check_resumable(tmp_path / "step_000001", extra, {}, data)
+    assert f"tokenized differently (version 4 {STREAM_CHANGES[4]})" in str(raised.value), str(raised.value)

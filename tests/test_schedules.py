@@ -403,6 +403,8 @@ def test_unknown_schedule_and_bad_microbatch_counts():
     (dict(num_stages=0), r"num_stages must be an integer >= 1, got 0"),
     (dict(num_stages=-1), r"num_stages must be an integer >= 1, got -1"),
     (dict(stage_costs=[1.0]), r"stage_costs has 1 entries but there are 2 stages; give one relative cost per stage"),
+    (dict(stage_costs=[1.0, 1.0, 1.0]), r"stage_costs has 3 entries but there are 2 stages; give one relative cost "
+                                        r"per stage"),  # one too many was taken, its last entry ignored
     (dict(stage_costs=[1.0, float("nan")]), r"stage_costs\[1\] must be a finite number > 0, got nan"),
     (dict(stage_costs=[-1.0, 1.0]), r"stage_costs\[0\] must be a finite number > 0, got -1.0"),
     (dict(stage_costs=[0, 0]), r"stage_costs\[0\] must be a finite number > 0, got 0"),
@@ -806,3 +808,68 @@ def test_a_split_forked_from_the_unsplit_replay_replays_as_from_the_start():
             unsplit = Replay(compute, p, duration)
             unsplit.run(fork_at_the_first_i)
             assert list(forked[0].items()) == list(Replay(body, p, duration).run().items()), (name, p, m, split)
+
+
+def test_validate_refuses_a_microbatch_numbered_num_microbatches_on_a_single_rank():
+    """A rank that also runs microbatch m (0..m-1 exist) on one rank, where no transfer betrays it."""
+    with pytest.raises(ScheduleError, match=r"rank 0 runs \[B0\.2, F0\.2\], but the microbatches are 0\.\.1"):
+        validate(gpipe(1, 3), 1, 2)
+
+
+def test_validate_refuses_a_stage_that_runs_before_the_stage_it_takes_its_input_from_on_the_same_rank():
+    """Two stages on one rank hand data over in memory: stage 1's forward before stage 0's has no input."""
+    with pytest.raises(ScheduleError, match=r"schedule deadlocks: rank 0 waits at F1\.0"):
+        validate([[F(1, 0), F(0, 0), B(1, 0), B(0, 0)]], 2, 1)
+
+
+def test_a_missing_backward_of_the_first_stage_asks_for_b_only():
+    """The first stage cannot split its backward: the error asks for F and B, not "(or I and W)"."""
+    compute = gpipe(2, 2)
+    compute[0].remove(B(0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0 must run F and B of stage 0, microbatch 0; it runs \['F'\]$"):
+        validate(lower(compute, 2), 2, 2)
+
+
+def test_a_mismatched_message_says_whether_it_is_an_activation_or_a_gradient():
+    """The channel error names what is sent: an activation forward, a gradient backward."""
+    schedule = build_schedule("gpipe", 2, 3)
+    program = schedule[0]
+    program.remove(Action(Kind.SEND_F, 0, 0))
+    program.insert(program.index(Action(Kind.SEND_F, 0, 1)) + 1, Action(Kind.SEND_F, 0, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0 sends the activation of stage 0, microbatch 1 but rank 1 expects "
+                                            r"the activation of stage 0, microbatch 0"):
+        validate(schedule, 2, 3)
+    schedule = build_schedule("gpipe", 2, 3)
+    program = schedule[1]
+    program.remove(Action(Kind.SEND_B, 1, 2))
+    program.insert(program.index(Action(Kind.SEND_B, 1, 1)) + 1, Action(Kind.SEND_B, 1, 2))
+    with pytest.raises(ScheduleError, match=r"rank 1 sends the gradient of stage 1, microbatch 1 but rank 0 expects "
+                                            r"the gradient of stage 1, microbatch 2"):
+        validate(schedule, 2, 3)
+
+
+def test_a_weight_pass_waits_while_a_forward_keeps_the_rank_below_its_peak():
+    """An unlisted W goes before a forward only if that forward would make the rank hold more microbatches
+    than its list ever does; here F1.2 keeps rank 1 at one, below its peak of two, and its input is there: the W
+    goes at the end, where nothing else is left to run."""
+    schedule = [[F(0, 0), F(0, 1), F(0, 2), B(0, 1), B(0, 0), B(0, 2)],
+                [F(1, 0), F(1, 1), B(1, 1), I(1, 0), F(1, 2), B(1, 2)]]
+    times = simulate(schedule, 2, lambda action: 1.0)
+    assert [a for a in times if a.stage == 1] == [F(1, 0), F(1, 1), B(1, 1), I(1, 0), F(1, 2), B(1, 2), W(1, 0)]
+
+
+def test_a_send_is_let_go_at_the_action_that_starts_just_as_its_taker_ends():
+    """GPipe on 2 stages, the last backward split, unit times: rank 0's B0.1 takes B1.1's gradient from t=4
+    to t=5, and rank 1's W1.0 starts at t=5: nothing proves the send taken, but waiting for it there cannot block.
+    Released only where the taker ended strictly before, it was held to the end of the step."""
+    lowered = build_schedule("gpipe", 2, 2, split=1)
+    assert send_releases(lowered, 2, lambda action: 1.0) == [
+        {B(0, 1): (Action(Kind.SEND_F, 0, 0), Action(Kind.SEND_F, 0, 1))}, {W(1, 0): (Action(Kind.SEND_B, 1, 1),)}]
+
+
+def test_the_split_is_searched_past_sixteen_backwards_in_a_longer_pipeline():
+    """Each k up to num_stages + 1 is tried: with 20 stages, a cheap last one, 17 of the last backwards
+    split are faster than 16."""
+    costs = [1.0] * 19 + [0.5]
+    chosen = build_schedule("1f1b", 20, 40, stage_costs=costs)
+    assert [sum(a.kind == Kind.I for a in actions) for actions in chosen[1:]] == [17] * 19
