@@ -342,29 +342,17 @@ def test_a_failed_save_leaves_nothing_of_itself(tmp_path, monkeypatch, fails):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
-def test_a_file_written_whole_reaches_the_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+def test_a_file_written_whole_reaches_the_disk_before_its_rename_and_the_rename_after(tmp_path, disk_events):
     """After a power loss, a rename that reached the disk before the data names an empty file (meta.json, the
     latest pointer, the run's metrics); a rename not made durable can be undone. The file is flushed to disk
     before it is renamed into place, then its directory."""
     from pipeline_parallel._files import atomic_write, temporary_path
 
-    events, real_fsync, real_replace = [], os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", os.path.realpath(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
     path = tmp_path / "meta.json"
     atomic_write(path, "{}")
     assert path.read_text() == "{}"
-    assert events == [("fsync", os.path.realpath(temporary_path(path))), ("replace", os.path.realpath(path)),
-                      ("fsync", os.path.realpath(tmp_path))]
+    assert disk_events == [("fsync", os.path.realpath(temporary_path(path))), ("replace", os.path.realpath(path)),
+                           ("fsync", os.path.realpath(tmp_path))]
 
 
 def test_a_file_that_cannot_be_written_whole_leaves_the_old_one_and_nothing_beside_it(tmp_path, monkeypatch):
@@ -977,15 +965,14 @@ def test_a_step_beside_the_old_copy_a_killed_resave_left_is_the_step(tmp_path, m
     assert read_extra(ckpt_dir / "step_000002") == {"step": 2}
 
 
-def test_the_latest_pointer_is_renamed_into_place_whole(tmp_path, monkeypatch):
+def test_the_latest_pointer_is_renamed_into_place_whole(tmp_path, disk_events):
     """Written in place, a crash mid-write leaves `latest` empty or cut short; renamed into place, it names
     the old checkpoint or the new."""
     model = make_stage(0, 1)
     save_checkpoint(tmp_path, 1, model, None, {}, keep_last=0)
-    replaced, real_replace = [], os.replace
-    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append(Path(dst).name), real_replace(src, dst))[1])
     save_checkpoint(tmp_path, 2, model, None, {}, keep_last=0)
-    assert "latest" in replaced and (tmp_path / "checkpoints" / "latest").read_text() == "step_000002\n"
+    latest = tmp_path / "checkpoints" / "latest"
+    assert ("replace", os.path.realpath(latest)) in disk_events and latest.read_text() == "step_000002\n"
 
 
 def test_a_long_reason_from_torch_is_cut_at_the_end_of_a_sentence():

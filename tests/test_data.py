@@ -870,26 +870,14 @@ def test_a_cap_of_no_tokens_is_refused(tmp_path, max_tokens):
         token_cache.cached_tokens(tmp_path, tok, [("the lazy dog", True)], {"sources": ["x"]}, max_tokens=max_tokens)
 
 
-def test_a_token_cache_reaches_the_disk_with_its_record_before_its_rename(tmp_path, monkeypatch):
+def test_a_token_cache_reaches_the_disk_with_its_record_before_its_rename(tmp_path, monkeypatch, disk_events):
     """As atomic_write (test_checkpoint): the tokens are synced, then renamed into place, then their directory
     synced; a record that cannot be written keeps the cache from its place, so no cache lacks its record."""
-    events, real_fsync, real_replace = [], os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", os.path.realpath(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
     tok, path = train_bpe(make_docs(), vocab_size=300), tmp_path / "tokens-1.uint16.bin"
     token_cache.write_tokens([("the lazy dog", True)], tok, path)
     tmp, real = os.path.realpath(token_cache.temporary_path(path)), os.path.realpath(path)
-    assert [e for e in events if e[1] in (tmp, real)] == [("fsync", tmp), ("replace", real)]
-    assert events[-1] == ("fsync", os.path.realpath(tmp_path))
+    assert [e for e in disk_events if e[1] in (tmp, real)] == [("fsync", tmp), ("replace", real)]
+    assert disk_events[-1] == ("fsync", os.path.realpath(tmp_path))
 
     def full(path, text):
         raise OSError(28, "No space left on device")

@@ -832,20 +832,16 @@ def test_a_missing_backward_of_the_first_stage_asks_for_b_only():
 
 def test_a_mismatched_message_says_whether_it_is_an_activation_or_a_gradient():
     """The channel error names what is sent: an activation forward, a gradient backward."""
-    schedule = build_schedule("gpipe", 2, 3)
-    program = schedule[0]
-    program.remove(Action(Kind.SEND_F, 0, 0))
-    program.insert(program.index(Action(Kind.SEND_F, 0, 1)) + 1, Action(Kind.SEND_F, 0, 0))
-    with pytest.raises(ScheduleError, match=r"rank 0 sends the activation of stage 0, microbatch 1 but rank 1 expects "
-                                            r"the activation of stage 0, microbatch 0"):
-        validate(schedule, 2, 3)
-    schedule = build_schedule("gpipe", 2, 3)
-    program = schedule[1]
-    program.remove(Action(Kind.SEND_B, 1, 2))
-    program.insert(program.index(Action(Kind.SEND_B, 1, 1)) + 1, Action(Kind.SEND_B, 1, 2))
-    with pytest.raises(ScheduleError, match=r"rank 1 sends the gradient of stage 1, microbatch 1 but rank 0 expects "
-                                            r"the gradient of stage 1, microbatch 2"):
-        validate(schedule, 2, 3)
+    for moved, behind, what, sent, expected in (
+            (Action(Kind.SEND_F, 0, 0), Action(Kind.SEND_F, 0, 1), "activation", 1, 0),
+            (Action(Kind.SEND_B, 1, 2), Action(Kind.SEND_B, 1, 1), "gradient", 1, 2)):
+        schedule = build_schedule("gpipe", 2, 3)
+        rank = moved.stage  # one stage per rank
+        schedule[rank].remove(moved)
+        schedule[rank].insert(schedule[rank].index(behind) + 1, moved)
+        with pytest.raises(ScheduleError, match=rf"rank {rank} sends the {what} of stage {rank}, microbatch {sent} but "
+                                                rf"rank {1 - rank} expects the {what} of stage {rank}, microbatch {expected}"):
+            validate(schedule, 2, 3)
 
 
 def test_a_weight_pass_waits_while_a_forward_keeps_the_rank_below_its_peak():
