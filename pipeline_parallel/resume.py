@@ -68,7 +68,7 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
                               "further, raise train.max_steps; to export that checkpoint again: "
-                              f"{export_command(path)}")
+                              f"{export_command(path, dtype=cfg.export.dtype)}")
     return path
 
 

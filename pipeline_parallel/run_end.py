@@ -33,15 +33,17 @@ def report_run_end(cfg: Config, metrics_path: Path, checkpoint: Path, group) -> 
     try:
         out, model, tok = export(checkpoint, run_dir / EXPORT_DIR, cfg.export.dtype, group=group)
     except DamagedCheckpointError as e:  # since it was saved: the command to export the intact one it names
-        again = e.advising(lambda earlier: f"export an earlier one with: {export_command(earlier, 'DIR')}")
+        again = e.advising(lambda earlier: "export an earlier one with: "
+                                           f"{export_command(earlier, 'DIR', cfg.export.dtype)}")
         tqdm.write(f"export skipped: {again}")
         return
     except (FileExistsError, ValueError) as e:  # files come, or the run's tokenizer replaced, since the start
-        tqdm.write(f"export skipped: {e}. Export the checkpoint with: {export_command(checkpoint, 'DIR')}")
+        tqdm.write(f"export skipped: {e}. Export the checkpoint with: "
+                   f"{export_command(checkpoint, 'DIR', cfg.export.dtype)}")
         return
     except OSError as e:  # a full disk, a directory made read-only
         tqdm.write(f"export failed: {e}; the training is saved: make room or fix the directory, then export the "
-                   f"checkpoint with: {export_command(checkpoint)}")
+                   f"checkpoint with: {export_command(checkpoint, dtype=cfg.export.dtype)}")
         return
     tqdm.write(f"Hugging Face model: {out}")
     if cfg.export.sample_tokens:

@@ -55,7 +55,7 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
     if getattr(stop, "trained", False):  # while exporting or sampling
         where = f"training had ended, and {checkpoint} holds its last step"
         if cfg.export.at_end:
-            where += f"; to export it: {export_command(checkpoint)}"
+            where += f"; to export it: {export_command(checkpoint, dtype=cfg.export.dtype)}"
     elif checkpoint is None:
         where = "it saved no checkpoint yet, so the same command starts it again"
     elif cfg.resume in ("auto", "latest"):

@@ -809,7 +809,7 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
 
 def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(corpus, tmp_path, capsys, monkeypatch):
     """A full disk while drawing the loss curve or exporting ended the finished, saved run with a traceback on the
-    last rank."""
+    last rank. The command it gives exports in the run's export.dtype (it gave float32's)."""
     import safetensors.torch
 
     import pipeline_parallel.run_end as run_end
@@ -820,7 +820,7 @@ def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(co
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     monkeypatch.setattr(run_end, "plot_loss", full)
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
-                                                 "export.sample_tokens": 0, "log.plot": True})
+                                                 "export.sample_tokens": 0, "log.plot": True, "export.dtype": "bf16"})
     Trainer(cfg).fit()
     last = tmp_path / "run" / "checkpoints" / "step_000001"
     said = capsys.readouterr().out.splitlines()
@@ -828,7 +828,7 @@ def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(co
                         said[-3]), said
     assert said[-1] == (
         "export failed: [Errno 28] No space left on device; the training is saved: make room or fix the directory, "
-        f"then export the checkpoint with: python -m pipeline_parallel.export {last}")
+        f"then export the checkpoint with: python -m pipeline_parallel.export {last} --dtype bf16")
     assert latest_checkpoint(tmp_path / "run") == last
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(("export", ".export"))) == []
 

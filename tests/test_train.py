@@ -670,14 +670,14 @@ def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp
     import pipeline_parallel.run_end as run_end
 
     config = tmp_path / "run.toml"
-    config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"export.at_end": True})))
+    config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"export.at_end": True, "export.dtype": "bf16"})))
     monkeypatch.setattr(run_end, "export", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(config)])
     assert exit_info.value.code == 128 + signal.SIGINT
     last = tmp_path / "run" / "checkpoints" / "step_000006"
     assert capsys.readouterr().err == (f"interrupted by SIGINT: training had ended, and {last} holds its last step; "
-                                       f"to export it: python -m pipeline_parallel.export {last}\n")
+                                       f"to export it: python -m pipeline_parallel.export {last} --dtype bf16\n")
     # A run that exports nothing at its end (stopped while drawing its loss curve) is not told to export.
     config.write_text(to_toml(make_cfg(tmp_path / "quiet", corpus, **{"log.plot": True})))
     monkeypatch.setattr(run_end, "plot_loss", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
