@@ -922,3 +922,46 @@ def test_our_llama_s_config_names_the_run_tokenizer_s_special_ids_whatever_they_
     for eos, bos, want in ((2, None, (2, 2)), (2, 7, (2, 7)), (0, None, (0, 0))):
         config = hf_config_dict(model, eos, bos)
         assert (config["eos_token_id"], config["bos_token_id"]) == want
+
+
+def test_generate_refuses_no_samples_before_loading_anything(tmp_path, capsys):
+    """--num-samples 0 printed nothing and exited 0."""
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(tmp_path / "nothing-here"), "--num-samples", "0"])
+    assert exit_info.value.code == 2 and "--num-samples must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_an_export_s_tokenizer_knows_the_model_s_context_length(tmp_path):
+    """The export hands its tokenizer the model's max_position_embeddings, which no test read back: without it
+    transformers warns of no over-long input."""
+    model, tok = _tiny_model_and_tokenizer()
+    out = save_hf_model(model, tok, tmp_path / "hf")
+    assert transformers.AutoTokenizer.from_pretrained(out).model_max_length == model.config.max_position_embeddings
+
+
+def test_the_source_generation_config_is_left_out_when_only_its_bos_is_kept(tmp_path):
+    """The test above replaces both ids: a run keeping the source's BOS id (Llama tokenizers share 1) but with
+    another end-of-text must not carry a generation config whose eos_token_id stops at the old one."""
+    tok = train_bpe(["hello world, the pipeline says hello"], vocab_size=300)
+    config = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, bos_token_id=1, eos_token_id=7)
+    source = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "source")
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=7).save_pretrained(source)
+    assert tok.eos_id not in (1, 7)
+    config.eos_token_id = tok.eos_id
+    out = save_hf_model(transformers.LlamaForCausalLM(config), tok, tmp_path / "out", source=source)
+    assert not (out / "generation_config.json").exists()
+
+
+def test_hf_config_dict_leaves_the_model_s_own_config_as_it_was():
+    """It gives a Hugging Face model of another end-of-text the tokenizer's ids in a copy: the model's config,
+    which other code reads, keeps its own."""
+    from pipeline_parallel.export import hf_config_dict
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            bos_token_id=1, eos_token_id=7))
+    config = hf_config_dict(model, eos_id=3, bos_id=5)
+    assert (config["eos_token_id"], config["bos_token_id"]) == (3, 5)
+    assert (model.config.eos_token_id, model.config.bos_token_id) == (7, 1)

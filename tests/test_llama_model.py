@@ -229,12 +229,14 @@ def test_generate_reads_the_last_max_position_embeddings_tokens():
     assert torch.equal(out, want)
 
 
-def test_hf_parity_holds_with_trained_norms():
+@pytest.mark.parametrize("eps", [{}, {"rms_norm_eps": 0.5}], ids=["default-eps", "eps-0.5"])
+def test_hf_parity_holds_with_trained_norms(eps):
     """Every norm weight starts at one, so the parity test above cannot tell the input norm of a layer from its
     post-attention norm, nor either from none: after training they differ, and an exported checkpoint must
-    still compute in transformers what it computed here."""
+    still compute in transformers what it computed here. With the default eps, which each norm also takes as
+    its own default, a norm that left out config.rms_norm_eps computed as transformers does."""
     transformers = pytest.importorskip("transformers")
-    cfg = tiny()
+    cfg = tiny(**eps)
     model = LlamaForCausalLM(cfg)
     model.init_weights(seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -247,3 +249,40 @@ def test_hf_parity_holds_with_trained_norms():
     input_ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids).logits, hf(input_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_top_k_beyond_the_vocabulary_samples_among_every_token():
+    """A top_k above the vocabulary (or above a tokenizer's vocab_size cut) failed in torch.topk."""
+    model = LlamaForCausalLM(tiny())
+    model.init_weights()
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    for vocab_size, top_k in ((None, 1000), (7, 8)):
+        wide = generate(model, prompt, 4, top_k=top_k, vocab_size=vocab_size, generator=torch.Generator().manual_seed(3))
+        every = generate(model, prompt, 4, vocab_size=vocab_size, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(wide, every)
+
+
+def test_rms_norm_of_a_bf16_input_is_transformers_bit_for_bit():
+    """The bf16 path was compared with fp32 runs only (approximately): the norm rounds its input to bf16 before the
+    weight multiplies it in fp32, as transformers' does."""
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFRMSNorm
+
+    from pipeline_parallel.models.llama import LlamaRMSNorm
+
+    ours, theirs = LlamaRMSNorm(64, eps=1e-5), HFRMSNorm(64, eps=1e-5)
+    weight = 1 + 0.5 * torch.randn(64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    a, b = ours(x), theirs(x)
+    assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_init_weights_draws_with_the_configured_initializer_range():
+    """initializer_range was only round-tripped through the config: weights drawn at 0.02 whatever it said."""
+    model = LlamaForCausalLM(tiny(initializer_range=0.5))
+    model.init_weights(seed=0)
+    assert model.model.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(0.5, rel=0.05)
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))

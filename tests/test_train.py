@@ -995,9 +995,10 @@ def test_a_damaged_metrics_file_stops_every_rank_with_its_line(runs, corpus, tmp
                                                       r"repair or delete that line", message), message
 
 
-def _png_colors(path: Path) -> set[tuple[int, int, int]]:
-    """The colours of an 8-bit RGB PNG of 800 x 500 whose rows are unfiltered, as the built-in renderer writes one,
-    read as the PNG format says: chunks (each with its CRC), IHDR, then the zlib-compressed rows, a filter byte each."""
+def _png_rows(path: Path) -> list[list[tuple[int, int, int]]]:
+    """The pixels, row by row, of an 8-bit RGB PNG of 800 x 500 whose rows are unfiltered, as the built-in renderer
+    writes one, read as the PNG format says: chunks (each with its CRC), IHDR, then the zlib-compressed rows, a
+    filter byte each."""
     data, chunks, at = path.read_bytes(), {}, 8
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     while at < len(data):
@@ -1010,8 +1011,12 @@ def _png_colors(path: Path) -> set[tuple[int, int, int]]:
     assert (width, height, depth, color_type) == (800, 500, 8, 2)
     rows = zlib.decompress(chunks[b"IDAT"])
     assert len(rows) == height * (1 + 3 * width) and rows[::1 + 3 * width] == bytes(height)  # filter 0: none
-    pixels = b"".join(rows[y * (1 + 3 * width) + 1:(y + 1) * (1 + 3 * width)] for y in range(height))
-    return {tuple(pixels[i:i + 3]) for i in range(0, len(pixels), 3)}
+    stride = 1 + 3 * width
+    return [[tuple(rows[y * stride + 1 + 3 * x:y * stride + 4 + 3 * x]) for x in range(width)] for y in range(height)]
+
+
+def _png_colors(path: Path) -> set[tuple[int, int, int]]:
+    return {color for row in _png_rows(path) for color in row}
 
 
 _TRAIN_BLUE, _EVAL_ORANGE = (31, 119, 180), (255, 127, 14)
@@ -1568,3 +1573,117 @@ def test_sequences_longer_than_the_model_s_context_are_a_config_error(corpus, tm
     with pytest.raises(ConfigError, match=r"data.seq_len 65 exceeds model.max_position_embeddings 64"):
         validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 65}), 2)
     validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 64}), 2)
+
+
+def test_weight_decay_takes_our_llama_s_linear_and_embedding_matrices_and_leaves_its_norms():
+    """The shape test above has no plain 2-D weight that trains (its Linear's is frozen): matrices of two
+    dimensions left out of the decay trained every Linear and the embedding without weight decay."""
+    from pipeline_parallel.models import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig.from_preset("tiny", vocab_size=64, num_hidden_layers=1))
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.5))
+    names = {id(p): name for name, p in model.named_parameters()}
+    decayed, kept = (sorted(names[id(p)] for p in group["params"]) for group in optimizer.param_groups)
+    assert kept == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                    "model.norm.weight"]
+    assert len(decayed) == 9 and {"model.embed_tokens.weight", "lm_head.weight",
+                                  "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(decayed)
+
+
+def test_a_divergence_before_any_checkpoint_says_to_start_again_and_to_clip_an_unclipped_run(corpus, tmp_path):
+    """The divergence messages were checked only with a checkpoint to go back to and a grad_clip set."""
+    trainer = Trainer(make_cfg(tmp_path, corpus, **{"eval.interval": 0, "optim.grad_clip": 0.0}))
+    real_step = trainer.pipe.step
+    trainer.pipe.step = lambda inputs, labels: real_step(inputs, labels) * float("nan")
+    with pytest.raises(TrainingDiverged) as raised:
+        trainer.fit()
+    assert re.fullmatch(r"step 1: loss nan, gradient norm [^;]+; the weights were not updated and nothing was saved: "
+                        r"start again with a lower optim.lr, more optim.warmup_steps or optim.grad_clip = 1.0",
+                        str(raised.value)), str(raised.value)
+
+
+def test_a_run_that_starts_at_step_0_replaces_the_metrics_an_earlier_start_left(tmp_path):
+    """A run stopped before its first checkpoint starts again at step 0: its records must not follow the old ones."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n')
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log({"step": 1, "loss": 7.0})
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 7.0}]
+
+
+def test_the_loss_plot_draws_each_eval_point_and_spans_exactly_its_steps(tmp_path, no_matplotlib):
+    """The colour tests are met by the legend alone (it is drawn in both colours): an eval point left undrawn, or an
+    x axis reaching past the last step, went unseen. An infinite eval loss is left out as an infinite loss is."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0, "eval_loss": Infinity}\n{"step": 2, "loss": 4.0, "eval_loss": 4.5}\n'
+                    '{"step": 3, "loss": 3.0}\n')
+    assert plot_loss(path, tmp_path / "loss.png") == "built-in"
+    rows = _png_rows(tmp_path / "loss.png")
+    plotted = {color: [x for y, row in enumerate(rows) if y > 30 for x, c in enumerate(row) if c == color]
+               for color in (_TRAIN_BLUE, _EVAL_ORANGE)}  # below the legend
+    assert plotted[_EVAL_ORANGE], "the one eval point is drawn"
+    assert min(plotted[_TRAIN_BLUE]) <= 71 and max(plotted[_TRAIN_BLUE]) >= 779  # step 1 at the left, 3 at the right
+
+
+def test_command_line_values_in_every_spelling_the_config_takes(tmp_path):
+    """Only true/false, yes/no and none were tried: 1 read as false, null as no number, a space after a comma
+    stayed in the path, any other word silently meant false, and a TOML list of floats became layer counts."""
+    cfg = parse_args(["--log.plot", "1", "--log.tensorboard", "0", "--model.vocab-size", "null",
+                      "--data.path", "a.txt, b.txt", "--pipeline.layer-counts", "1, 3"])
+    assert (cfg.log.plot, cfg.log.tensorboard, cfg.model.vocab_size) == (True, False, None)
+    assert (cfg.data.path, cfg.pipeline.layer_counts) == (["a.txt", "b.txt"], [1, 3])
+    with pytest.raises(ConfigError, match=r"^config key 'log.plot' must be bool, got 'maybe'$"):
+        parse_args(["--log.plot", "maybe"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'zzz' in the command line; valid keys: run_dir, resume, "):
+        parse_args(["--zzz", "1"])
+    toml = tmp_path / "c.toml"
+    toml.write_text("[pipeline]\nlayer_counts = [1.5, 2.5]\n")
+    with pytest.raises(ConfigError, match=r"config key 'pipeline.layer_counts' must be a list, got \[1.5, 2.5\]"):
+        load_config(toml)
+
+
+def test_a_run_that_diverges_or_cannot_save_exits_1_with_its_one_line(monkeypatch, capsys):
+    """Only config errors (exit 2) and stops (128 + signal) were checked through main."""
+    import pipeline_parallel.train as train
+
+    for error in (TrainingDiverged("step 3: loss nan"), CheckpointNotSaved("step 4: no room")):
+        def failing(cfg, error=error):
+            raise error
+
+        monkeypatch.setattr(train, "run", failing)
+        with pytest.raises(SystemExit) as exit_info:
+            main([])
+        assert exit_info.value.code == 1
+        assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_a_run_records_the_bos_of_its_tokenizer_in_the_model_config(corpus, tmp_path):
+    """hf_config_dict was tested alone: the trainer left out the tokenizer's BOS, so a run with a Llama-like
+    tokenizer saved (and exported) its end-of-text as BOS."""
+    import tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    from pipeline_parallel.tokenizer import EOS_TOKEN
+
+    backend = tokenizers.Tokenizer.from_file(str(corpus[1]))
+    backend.add_special_tokens(["<s>"])
+    bos = backend.token_to_id("<s>")
+    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    (tmp_path / "tok").mkdir()
+    backend.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "bos_token": "<s>"}))
+    trainer = Trainer(make_cfg(tmp_path / "run", corpus, **{"data.tokenizer": str(tmp_path / "tok")}))
+    eos = trainer.data.tokenizer.eos_id
+    assert eos != bos and (trainer.model_config["bos_token_id"], trainer.model_config["eos_token_id"]) == (bos, eos)
+
+
+def test_the_loss_plot_has_a_grid_line_at_each_round_step_up_to_the_last(tmp_path, no_matplotlib):
+    """Steps 1 to 10 tick at 2, 4, ..., 10: the tick on the last round value (here the right edge) was left out
+    unseen, as no test looked at where the grid lines fall."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {step}, "loss": {10 - step / 2}}}\n' for step in range(1, 11)))
+    plot_loss(path, tmp_path / "loss.png")
+    rows = _png_rows(tmp_path / "loss.png")
+    grey = (225, 225, 225)
+    assert sum(row[780] == grey for row in rows[40:451]) > 300  # step 10's vertical grid line, at x = 780
