@@ -288,8 +288,9 @@ def _raise_step_failure(comm: PipeComm, error: Exception | None) -> None:
     reports = comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         if hasattr(error, "add_note"):
-            error.add_note("pipeline_parallel: the other ranks finished this step's transfers and raised too; "
-                           "its gradients are incomplete: call zero_grad() before the next step")
+            others = "the other ranks finished this step's transfers and raised too; " if comm.pp_size > 1 else ""
+            error.add_note(f"pipeline_parallel: {others}this step's gradients are incomplete: call zero_grad() before "
+                           "the next step")
         raise error
     rank, message = next((r, m) for r, m in enumerate(reports) if m is not None)
     raise RuntimeError(

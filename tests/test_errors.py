@@ -445,6 +445,10 @@ CLASSIC_CASES = {
                                             ValueError, r"ranks disagree on 'num_microbatches'"),
     "classic-targets-uint8": (lambda r, w, g: _classic(XS, [y.to(torch.uint8) for y in YS]), ValueError,
                               r"labels must hold signed integers, as -100 marks a token to ignore"),
+    # uint8 targets of 156 equal -100 as uint8 compares: they are refused as unsigned, not as all ignored
+    "classic-targets-uint8-all-156": (lambda r, w, g: _classic(XS, [YS[0].to(torch.uint8),
+                                                                    torch.full_like(YS[1], 156, dtype=torch.uint8)]),
+                                      ValueError, r"labels must hold signed integers, as -100 marks a token to ignore"),
     "classic-microbatch-all-ignored": (lambda r, w, g: _classic(XS, [YS[0], torch.full_like(YS[1], -100)]),
                                        ValueError, r"microbatch 1: every target is -100 \(ignored\), so its mean "
                                        r"loss is undefined.*leave that microbatch out"),
@@ -471,6 +475,12 @@ CLASSIC_CASES = {
                                             r"splits the layers evenly"),
     "classic-in-inference-mode": (lambda r, w, g: _in_inference_mode(_classic), ValueError,
                                   r"a training step cannot run inside torch.inference_mode\(\)"),
+    # one rank calling the AFAB step and another the 1F1B one: named as two calls, not as two schedules
+    "classic-afab-on-rank-0-1f1b-on-rank-1": (lambda r, w, g: _classic(api=pp.train_step_pipeline_1f1b if r
+                                                                       else pp.train_step_pipeline_afab),
+                                              ValueError, r"the pipeline ranks are in different calls: "
+                                              r"train_step_pipeline_afab\(\) on rank 0, train_step_pipeline_1f1b\(\) "
+                                              r"on rank 1"),
     "classic-integer-dtype": (lambda r, w, g: _classic(dtype=torch.int64), ValueError,
                               r"dtype must be a floating-point torch.dtype .* got torch.int64"),
 }
@@ -838,3 +848,56 @@ def test_a_step_failing_in_a_weight_pass_keeps_no_microbatch():
     for rank, (_, _, held, loss, ref_loss, diff, held_after) in enumerate(results):
         assert held == 0, f"rank {rank} still holds {held} microbatches after the failed step"
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and held_after == 0
+
+
+def _failing_layer(pipe, fail: bool):
+    layer = next(iter(pipe.model.model.layers.values()))
+
+    def forward(*args, **kwargs):
+        if fail:
+            raise RuntimeError("boom")
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = forward
+
+
+def test_a_failed_step_notes_on_its_error_what_to_do():
+    """The failing rank's own error carries the note, whole; one process has no other ranks to speak of."""
+    pipe = _pipe(None)
+    _failing_layer(pipe, True)
+    with pytest.raises(RuntimeError) as raised:
+        pipe.step(X, Y)
+    assert str(raised.value) == "boom" and raised.value.__notes__ == [
+        "pipeline_parallel: this step's gradients are incomplete: call zero_grad() before the next step"]
+
+
+def _two_fail_worker(rank, world_size):
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    pipe = pp.Pipeline(build("llama", 3), num_microbatches=2, device="cpu", group=group)
+    _failing_layer(pipe, rank > 0)
+    try:
+        pipe.step(X, Y)
+    except Exception as e:
+        return type(e).__name__, str(e), getattr(e, "__notes__", [])
+
+
+def test_where_several_ranks_fail_the_others_name_the_first():
+    """Ranks 1 and 2 fail: each raises its own error with the note, and rank 0 names rank 1, the first."""
+    first, *failing = run_distributed(_two_fail_worker, 3, timeout=TIMEOUT)
+    assert failing == [("RuntimeError", "boom", [
+        "pipeline_parallel: the other ranks finished this step's transfers and raised too; this step's gradients "
+        "are incomplete: call zero_grad() before the next step"])] * 2
+    assert first[0] == "RuntimeError" and first[1].startswith("pipeline rank 1 failed during the step (RuntimeError: "
+                                                              "boom)"), first
+
+
+def test_a_single_process_error_names_no_pipeline_rank():
+    """One process has no ranks to tell apart: its messages start with what is wrong."""
+    with pytest.raises(ValueError) as raised:
+        _pipe(None, num_microbatches=0)
+    assert str(raised.value).startswith("num_microbatches must be an integer >= 1"), str(raised.value)
+
+
+def test_an_unhashable_split_gets_the_schedules_own_message():
+    with pytest.raises(ValueError, match=r"split must be an integer >= 0 .*got \[1\]"):
+        _pipe(None, split=[1])
