@@ -267,3 +267,31 @@ def test_classic_tied_ends_initialised_apart_take_the_first_ranks_embedding():
     for got in (first_grads, last_grads):
         torch.testing.assert_close(got["model.embed_tokens.weight"], ref_grads["model.embed_tokens.weight"],
                                    atol=1e-5, rtol=0)
+
+
+def _float64_worker(rank, world_size):
+    case = Case("f64", "1f1b", 2, hooks=False)
+    inputs, targets = _microbatches(case, 0)
+    model = _model(case)
+    loss = pp.train_step_pipeline_1f1b(model, inputs, targets, "cpu", torch.float64)
+    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_classic_float64_across_ranks_hands_on_float64():
+    """dtype sets what crosses between the ranks too: a float64 step on two ranks equals one float64 process."""
+    case = Case("f64", "1f1b", 2, hooks=False)
+    inputs, targets = _microbatches(case, 0)
+    ref = _model(case).double()
+    ref_loss = 0.0
+    for x, y in zip(inputs, targets):
+        mb_loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100) / len(inputs)
+        mb_loss.backward()
+        ref_loss += mb_loss.item()
+    ref_grads = dict(ref.named_parameters())
+    (first_loss, first_grads), (loss, last_grads) = run_distributed(_float64_worker, 2, timeout=TIMEOUT)
+    assert first_loss is None and loss == pytest.approx(ref_loss, abs=1e-12)
+    for got in (first_grads, last_grads):
+        for name, grad in got.items():
+            assert grad.dtype == torch.float64, name
+            torch.testing.assert_close(grad, ref_grads[name].grad, atol=1e-12, rtol=0, msg=name)
+    assert len(first_grads) + len(last_grads) == len(ref_grads)

@@ -457,7 +457,9 @@ def test_clip_grad_norm_is_the_same_on_every_rank_where_one_holds_no_gradient():
 
 
 _DIFFERENT_ENDS = {"shifted": lambda w: w + 1, "rows-in-another-order": lambda w: w.flip(0),
-                   "entries-in-another-order": lambda w: w.flip(1)}
+                   "entries-in-another-order": lambda w: w.flip(1),
+                   # whole 256-byte blocks swapped (float32 rows of 32): every column of the blocks sums alike
+                   "blocks-swapped": lambda w: w[[2, 3, 0, 1, *range(4, len(w))]]}
 
 
 def _tied_apart_worker(rank, world_size, differ):
@@ -1246,3 +1248,61 @@ def test_a_recomputing_pipeline_runs_the_plan_made_for_recompute(schedule):
         pipeline_module.rank_program(schedule, comm, 8, costs)  # a plan without recompute first
         program, releases = pipeline_module.rank_program(schedule, comm, 8, costs, recompute=True)
         assert program == want[rank] and releases == want_releases[rank]
+
+
+def test_zero_grad_without_set_to_none_keeps_zeroed_gradients():
+    """As nn.Module.zero_grad(set_to_none=False): every gradient stays, filled with zeros (an optimizer
+    holding them, or a later accumulation in place, sees the same tensors)."""
+    pipe = pp.Pipeline(build("llama", 2), num_microbatches=2, device="cpu")
+    x, y = make_batch(2, 6, num_microbatches=2)
+    pipe.step(x, y)
+    before = {n: p.grad for n, p in pipe.named_parameters()}
+    pipe.zero_grad(set_to_none=False)
+    for name, p in pipe.named_parameters():
+        assert p.grad is before[name] and not p.grad.any(), name
+    pipe.zero_grad()
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_float16_autocast_is_accepted_and_trains_near_float32():
+    """autocast_dtype=torch.float16 is one of the two documented choices: it builds and trains, near float32."""
+    x, y = make_batch(2, 6, num_microbatches=2)
+    ref = build("llama", 2)
+    want = full_loss(ref, x, y).item()
+    pipe = pp.Pipeline(build("llama", 2), num_microbatches=2, device="cpu", autocast_dtype=torch.float16)
+    assert pipe.step(x, y) == pytest.approx(want, rel=1e-2)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in pipe.parameters())
+
+
+def test_clip_grad_norm_without_any_gradient_is_torchs_float32_zero():
+    """Before any step (or after zero_grad) no rank holds a gradient: the norm is torch's, a float32 zero."""
+    model = build("llama", 2)
+    want = torch.nn.utils.clip_grad_norm_(copy.deepcopy(model).parameters(), 1.0)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    norm = pipe.clip_grad_norm_(1.0)
+    assert norm.dtype == want.dtype == torch.float32 and float(norm) == float(want) == 0.0
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def _frozen_tied_keeps_its_gradient_worker(rank, world_size):
+    pipe = pp.Pipeline(build("llama", 2, tie=True), num_microbatches=2, device="cpu")
+    x, y = make_batch(2, 6, num_microbatches=2)
+    pipe.step(x, y)
+    tied = pipe.model.model.embed_tokens.weight if rank == 0 else pipe.model.lm_head.weight
+    before = tied.grad.clone()
+    tied.requires_grad_(False)  # at both ends, without zero_grad: as in one process, .grad stays as it was
+    pipe.step(x, y)
+    return tied.grad is not None and torch.equal(tied.grad, before)
+
+
+def test_a_tied_weight_frozen_after_a_step_keeps_its_gradient():
+    assert run_distributed(_frozen_tied_keeps_its_gradient_worker, 2, timeout=TIMEOUT) == [True, True]
+
+
+def test_evaluate_runs_inside_inference_mode():
+    """Only a training step needs a graph: evaluate gives the loss inside torch.inference_mode() too."""
+    x, y = make_batch(2, 6, num_microbatches=2)
+    want = full_loss(build("llama", 2), x, y).item()
+    pipe = pp.Pipeline(build("llama", 2), num_microbatches=2, device="cpu")
+    with torch.inference_mode():
+        assert pipe.evaluate(x, y) == pytest.approx(want, abs=1e-5)

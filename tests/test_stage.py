@@ -314,3 +314,45 @@ def test_first_stage_embedding_gradient_stays_as_a_hook_or_the_model_asks():
 
     embedding = _first_stage_embedding_grad(model, x, grads_out, lambda e: setattr(e, "sparse", True))
     assert embedding.sparse and embedding.weight.grad.layout == torch.sparse_coo
+
+
+class _GradientStop(torch.autograd.Function):
+    """An op whose backward gives its input no gradient (None: zero, as torch reads it)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_split_backward_where_a_weight_gets_no_gradient_still_makes_the_later_weights_gradients():
+    """A weight whose use receives no gradient (its branch passes through an op whose backward returns None)
+    leaves its own .grad as it was; the weight pass still makes the gradients of the weights after it."""
+    from pipeline_parallel.stage import _WeightPass
+
+    torch.manual_seed(0)
+    stopped, used = torch.nn.Parameter(torch.randn(6, 6)), torch.nn.Parameter(torch.randn(6, 6))
+    x0, grad_out = torch.randn(3, 6), torch.randn(3, 6)
+
+    def out_of(x):
+        return (_GradientStop.apply(torch.nn.functional.linear(x, stopped))
+                + torch.nn.functional.linear(torch.tanh(x), used))
+
+    x = x0.clone().requires_grad_()
+    out_of(x).backward(grad_out)
+    want_input, want_used = x.grad, used.grad.clone()
+    assert stopped.grad is None
+    used.grad = None
+    x = x0.clone().requires_grad_()
+    weight_pass = _WeightPass([stopped, used])
+    got_input = weight_pass.input_grad(out_of(x), x, grad_out)
+    assert weight_pass.groups, "the backward is split"
+    assert used.grad is None, "no weight gradient before the weight pass"
+    weight_pass.run()
+    torch.testing.assert_close(got_input, want_input)
+    assert stopped.grad is None
+    assert used.grad is not None, "the weight after one without gradient got none"
+    torch.testing.assert_close(used.grad, want_used)
