@@ -123,15 +123,21 @@ def _worker(rank, world_size, cases):
     return results
 
 
-def _reference(case: Case, index: int):
-    ref = copy.deepcopy(_model(case))
-    record = _add_hooks(ref, _hooked_names(case.layers))
-    inputs, targets = _microbatches(case, index)
+def _microbatch_loop(ref, inputs, targets) -> float:
+    """What the classic API computes, in one process: each microbatch's mean cross-entropy over the number of
+    microbatches, backward one by one; returns their sum."""
     total = 0.0
     for x, y in zip(inputs, targets):
         loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100) / len(inputs)
         loss.backward()
         total += loss.item()
+    return total
+
+
+def _reference(case: Case, index: int):
+    ref = copy.deepcopy(_model(case))
+    record = _add_hooks(ref, _hooked_names(case.layers))
+    total = _microbatch_loop(ref, *_microbatches(case, index))
     return total, grads(ref), record, [n for n, _ in ref.named_parameters(remove_duplicate=False)]
 
 
@@ -234,12 +240,7 @@ def test_classic_float64_keeps_float64_loss_and_gradients():
     inputs, targets = _microbatches(case, 0)
     model, ref = _model(case), _model(case).double()
     loss = pp.train_step_pipeline_afab(model, inputs, targets, "cpu", torch.float64)
-    ref_loss = 0.0
-    for x, y in zip(inputs, targets):
-        mb_loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100) / len(inputs)
-        mb_loss.backward()
-        ref_loss += mb_loss.item()
-    assert loss == pytest.approx(ref_loss, abs=1e-12)
+    assert loss == pytest.approx(_microbatch_loop(ref, inputs, targets), abs=1e-12)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, r.grad, atol=1e-12, rtol=0, msg=name)
 
@@ -282,11 +283,7 @@ def test_classic_float64_across_ranks_hands_on_float64():
     case = Case("f64", "1f1b", 2, hooks=False)
     inputs, targets = _microbatches(case, 0)
     ref = _model(case).double()
-    ref_loss = 0.0
-    for x, y in zip(inputs, targets):
-        mb_loss = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100) / len(inputs)
-        mb_loss.backward()
-        ref_loss += mb_loss.item()
+    ref_loss = _microbatch_loop(ref, inputs, targets)
     ref_grads = dict(ref.named_parameters())
     (first_loss, first_grads), (loss, last_grads) = run_distributed(_float64_worker, 2, timeout=TIMEOUT)
     assert first_loss is None and loss == pytest.approx(ref_loss, abs=1e-12)

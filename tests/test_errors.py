@@ -12,6 +12,7 @@ import re
 import sys
 import types
 from datetime import timedelta
+from typing import Callable
 
 import pytest
 import torch
@@ -627,6 +628,22 @@ def test_pipeline_still_exact_after_rejected_steps():
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and saved == 0
 
 
+def _first_layer_raising(pipe, error_at: Callable[[int], BaseException | None]):
+    """Make the first decoder layer of `pipe`'s stage raise `error_at(n)` in its n-th forward (from 1) where that is
+    not None; returns the layer, whose `del layer.forward` undoes it."""
+    layer, calls = next(iter(pipe.model.model.layers.values())), []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        error = error_at(len(calls))
+        if error is not None:
+            raise error
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = forward
+    return layer
+
+
 def _fails_mid_step_worker(rank, world_size):
     """Rank 0's second forward raises while rank 1 waits for that microbatch; then a clean step follows.
 
@@ -637,15 +654,7 @@ def _fails_mid_step_worker(rank, world_size):
     ref = copy.deepcopy(model)
     pipe = pp.Pipeline(model, num_microbatches=4, device="cpu", group=group)
     x, y = make_batch(8, 6, num_microbatches=4)
-    layer, calls = next(iter(pipe.model.model.layers.values())), []
-
-    def forward(*args, **kwargs):
-        calls.append(1)
-        if rank == 0 and len(calls) == 2:
-            raise RuntimeError("boom in microbatch 1")
-        return type(layer).forward(layer, *args, **kwargs)
-
-    layer.forward = forward
+    layer = _first_layer_raising(pipe, lambda n: RuntimeError("boom in microbatch 1") if rank == 0 and n == 2 else None)
     try:
         pipe.step(x, y)
         failure = None
@@ -679,15 +688,7 @@ def _interrupted_mid_step_worker(rank, world_size):
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=CASE_TIMEOUT))
     pipe = pp.Pipeline(build("llama", 4), schedule="gpipe", num_microbatches=4, device="cpu", group=group)
     x, y = make_batch(8, 6, num_microbatches=4)
-    layer, calls = next(iter(pipe.model.model.layers.values())), []
-
-    def forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3 - rank:
-            raise KeyboardInterrupt
-        return type(layer).forward(layer, *args, **kwargs)
-
-    layer.forward = forward
+    layer = _first_layer_raising(pipe, lambda n: KeyboardInterrupt() if n == 3 - rank else None)
     with pytest.raises(KeyboardInterrupt):
         pipe.step(x, y)
     del layer.forward
@@ -850,21 +851,10 @@ def test_a_step_failing_in_a_weight_pass_keeps_no_microbatch():
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and held_after == 0
 
 
-def _failing_layer(pipe, fail: bool):
-    layer = next(iter(pipe.model.model.layers.values()))
-
-    def forward(*args, **kwargs):
-        if fail:
-            raise RuntimeError("boom")
-        return type(layer).forward(layer, *args, **kwargs)
-
-    layer.forward = forward
-
-
 def test_a_failed_step_notes_on_its_error_what_to_do():
     """The failing rank's own error carries the note, whole; one process has no other ranks to speak of."""
     pipe = _pipe(None)
-    _failing_layer(pipe, True)
+    _first_layer_raising(pipe, lambda n: RuntimeError("boom"))
     with pytest.raises(RuntimeError) as raised:
         pipe.step(X, Y)
     assert str(raised.value) == "boom" and raised.value.__notes__ == [
@@ -874,7 +864,7 @@ def test_a_failed_step_notes_on_its_error_what_to_do():
 def _two_fail_worker(rank, world_size):
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
     pipe = pp.Pipeline(build("llama", 3), num_microbatches=2, device="cpu", group=group)
-    _failing_layer(pipe, rank > 0)
+    _first_layer_raising(pipe, lambda n: RuntimeError("boom") if rank > 0 else None)
     try:
         pipe.step(X, Y)
     except Exception as e:

@@ -1586,8 +1586,9 @@ def test_weight_decay_takes_our_llama_s_linear_and_embedding_matrices_and_leaves
     decayed, kept = (sorted(names[id(p)] for p in group["params"]) for group in optimizer.param_groups)
     assert kept == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
                     "model.norm.weight"]
-    assert len(decayed) == 9 and {"model.embed_tokens.weight", "lm_head.weight",
-                                  "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"} <= set(decayed)
+    assert len(decayed) == 9
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.down_proj.weight"} <= set(decayed)
 
 
 def test_a_divergence_before_any_checkpoint_says_to_start_again_and_to_clip_an_unclipped_run(corpus, tmp_path):
@@ -1634,7 +1635,8 @@ def test_command_line_values_in_every_spelling_the_config_takes(tmp_path):
     assert (cfg.data.path, cfg.pipeline.layer_counts) == (["a.txt", "b.txt"], [1, 3])
     with pytest.raises(ConfigError, match=r"^config key 'log.plot' must be bool, got 'maybe'$"):
         parse_args(["--log.plot", "maybe"])
-    with pytest.raises(ConfigError, match=r"^unknown config key 'zzz' in the command line; valid keys: run_dir, resume, "):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'zzz' in the command line; valid keys: run_dir, "
+                                          r"resume, "):
         parse_args(["--zzz", "1"])
     toml = tmp_path / "c.toml"
     toml.write_text("[pipeline]\nlayer_counts = [1.5, 2.5]\n")
