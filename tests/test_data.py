@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from _tokenizers import put_around_each_text
 
 from pipeline_parallel import data as D
 from pipeline_parallel import sources as S
@@ -252,15 +253,12 @@ def test_a_wordpiece_tokenizer_directory_of_a_vocab_txt_alone_is_loaded(tmp_path
 def test_documents_get_the_special_tokens_the_tokenizer_adds_and_markers_in_the_text_stay_text(tmp_path):
     """Training used to drop a tokenizer's BOS that its export then added for every user, so the model
     never saw the inputs it is given; and a document quoting "<|endoftext|>" got a false end."""
-    from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
 
     ours = train_bpe(make_docs(), vocab_size=300)
     assert ours.document_ends == ([], []) and ours.bos_id == ours.eos_id  # a tokenizer trained here adds none
     backend = train_bpe(make_docs(), vocab_size=300).backend
-    backend.add_special_tokens(["<s>"])
-    bos = backend.token_to_id("<s>")
-    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    bos = put_around_each_text(backend, "<s> $A")["<s>"]
     tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
     assert tok.document_ends == ([bos], []) and tok.bos_id == bos
     pieces = [("the lazy ", False), ("dog", True), (f"quoting {EOS_TOKEN} here", True)]
@@ -499,12 +497,8 @@ def test_a_document_longer_than_a_batch_of_pieces_gives_the_tokens_of_the_whole(
     """Pieces are encoded in batches (of 256 at most): where a document goes on into the next batch, its piece there
     must get neither the BOS of a document's start nor the "▁" a SentencePiece-style tokenizer puts before a text.
     (The documents of the long-document test fit in one batch.)"""
-    from tokenizers.processors import TemplateProcessing
-
     backend = _sentencepiece_like("metaspace-first").backend
-    backend.add_special_tokens(["<s>"])
-    bos = backend.token_to_id("<s>")
-    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    bos = put_around_each_text(backend, "<s> $A")["<s>"]
     tok = T.Tokenizer(backend, backend.token_to_id("</s>"))
     text = "".join(make_docs(60))
     (tmp_path / "long.txt").write_text(text)
@@ -789,12 +783,8 @@ def test_held_out_sequences_are_spread_evenly_through_the_data():
 def test_a_document_ends_with_what_the_tokenizer_puts_after_a_text_and_one_eos(tmp_path, template, starts, ends):
     """The special-tokens test covers a tokenizer that adds a BOS only. Each document is put in the stream as the
     exported tokenizer hands a text to the model, then ends with one end-of-text."""
-    from tokenizers.processors import TemplateProcessing
-
     backend = train_bpe(make_docs(), vocab_size=300).backend
-    backend.add_special_tokens(["<s>", "<sep>"])
-    ids = {name: backend.token_to_id(name) for name in ("<s>", "<sep>", EOS_TOKEN)}
-    backend.post_processor = TemplateProcessing(single=template, special_tokens=list(ids.items()))
+    ids = {EOS_TOKEN: backend.token_to_id(EOS_TOKEN), **put_around_each_text(backend, template)}
     tok = T.Tokenizer(backend, ids[EOS_TOKEN])
     before, after = [ids[name] for name in starts], [ids[name] for name in ends]
     path = tmp_path / "tokens.uint16.bin"
@@ -901,12 +891,8 @@ def test_prepare_data_refuses_a_sequence_length_or_held_out_fraction_out_of_rang
 def test_a_tokenizer_that_puts_two_tokens_before_a_text_has_no_one_bos():
     """bos_id, which the export writes as bos_token_id, is the one token a tokenizer puts before a text, else
     end-of-text."""
-    from tokenizers.processors import TemplateProcessing
-
     backend = train_bpe(make_docs(), vocab_size=300).backend
-    backend.add_special_tokens(["<s>", "<sys>"])
-    ids = {name: backend.token_to_id(name) for name in ("<s>", "<sys>")}
-    backend.post_processor = TemplateProcessing(single="<s> <sys> $A", special_tokens=list(ids.items()))
+    ids = put_around_each_text(backend, "<s> <sys> $A")
     tok = T.Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
     assert tok.document_ends == ([ids["<s>"], ids["<sys>"]], []) and tok.bos_id == tok.eos_id
 

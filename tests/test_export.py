@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from _dist import run_distributed
+from _tokenizers import put_around_each_text
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_train import _fit, _losses, make_cfg
@@ -152,14 +153,10 @@ def test_a_sample_starts_as_a_document_does_and_leaves_out_the_end_of_text(monke
     an empty prompt without one is the end-of-text that precedes a document), and top_k 0 as every token; what it
     shows: the new tokens, not the end-of-text that ends them. `generate` is replaced by one that records its input
     and answers " world" and the end of the text."""
-    from tokenizers.processors import TemplateProcessing
-
     texts = ["hello world, the quick brown fox"] * 20
     bare = train_bpe(texts, vocab_size=280)
     backend = train_bpe(texts, vocab_size=280).backend
-    backend.add_special_tokens(["<s>"])
-    bos = backend.token_to_id("<s>")
-    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    bos = put_around_each_text(backend, "<s> $A")["<s>"]
     with_bos = Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
     asked = {}
 
@@ -360,8 +357,6 @@ def test_export_refuses_a_checkpoint_whose_file_changed_with_the_command_for_an_
 def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
     """A checkpoint records its tokenizer's fingerprint, which export compares with the run's saved copy:
     transformers gave the copy a no-op post-processor, so the fingerprints of one tokenizer differed."""
-    from tokenizers.processors import TemplateProcessing
-
     text = "def answer(self):\n    return 42\n" * 20
     ours = train_bpe([text], vocab_size=300)
     ours.save(tmp_path / "saved")
@@ -371,8 +366,8 @@ def test_a_tokenizer_has_one_fingerprint_in_memory_saved_and_reloaded(tmp_path):
                                           load_tokenizer(tmp_path / "resaved"))} == {ours.fingerprint()}
 
     backend = train_bpe([text], vocab_size=300).backend  # a Llama-like one: BOS before each text, EOS </s>
-    backend.add_special_tokens(["<s>", "</s>"])
-    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    backend.add_special_tokens(["</s>"])
+    put_around_each_text(backend, "<s> $A")
     (tmp_path / "llama").mkdir()
     backend.save(str(tmp_path / "llama" / "tokenizer.json"))
     (tmp_path / "llama" / "tokenizer_config.json").write_text(json.dumps(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import _free_port, run_distributed
+from _tokenizers import put_around_each_text
 
 from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel._dir_lock import lock_dir, unlock_dir
@@ -1663,14 +1664,11 @@ def test_a_run_records_the_bos_of_its_tokenizer_in_the_model_config(corpus, tmp_
     """hf_config_dict was tested alone: the trainer left out the tokenizer's BOS, so a run with a Llama-like
     tokenizer saved (and exported) its end-of-text as BOS."""
     import tokenizers
-    from tokenizers.processors import TemplateProcessing
 
     from pipeline_parallel.tokenizer import EOS_TOKEN
 
     backend = tokenizers.Tokenizer.from_file(str(corpus[1]))
-    backend.add_special_tokens(["<s>"])
-    bos = backend.token_to_id("<s>")
-    backend.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    bos = put_around_each_text(backend, "<s> $A")["<s>"]
     (tmp_path / "tok").mkdir()
     backend.save(str(tmp_path / "tok" / "tokenizer.json"))
     (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
