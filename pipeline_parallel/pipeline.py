@@ -159,6 +159,7 @@ class Pipeline:
         self._dtypes = _parameter_dtypes(self.model)  # what `_changed` compares with, as the stage's parts
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
+        self._step_unfinished = False  # a step failed after it began: its gradients are partial until zero_grad
 
     def _plan(self, model: nn.Module, layer_counts, seq_len: int):
         """Layers per stage and this rank's train and eval plans (see `rank_program`); raises on bad arguments
@@ -202,7 +203,7 @@ class Pipeline:
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
             num_microbatches=self.num_microbatches, settings=self._settings,
-            local_error=self._changed() or (inference_mode_error() if training else None),
+            local_error=self._changed() or (self._training_error() if training else None),
         )
         if info.num_target_tokens == 0:
             raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to "
@@ -222,9 +223,19 @@ class Pipeline:
             self.program, self._releases = self._program(self.config, self.layer_counts, info.seq_len)
         program, releases = (self.program, self._releases) if training else self._eval_plan
         start = time.perf_counter()
+        self._step_unfinished |= training  # until the step ends: one that fails leaves part of its gradients
         loss = run_step(program, {self.stage_idx: self.stage}, self.comm, step, self._tied_weight, releases)
+        self._step_unfinished &= not training  # an evaluation leaves a failed step's mark
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
+
+    def _training_error(self) -> str | None:
+        """Why no training step can run now, or None: inside inference mode, or after a failed step whose gradients
+        were not cleared (a loop that catches the error and goes on would add the next step's to them)."""
+        if self._step_unfinished:
+            return ("the previous step failed, and the gradients may hold part of it: call zero_grad() before the "
+                    "next step")
+        return inference_mode_error()
 
     def _changed(self) -> str | None:
         """Why this rank's model no longer is the one the Pipeline was built on, if it changed: a stage
@@ -266,6 +277,7 @@ class Pipeline:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of this rank's stage (as `nn.Module.zero_grad`), before the next step."""
         self.model.zero_grad(set_to_none=set_to_none)
+        self._step_unfinished = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale all stages' gradients so their global norm is at most `max_norm`; returns that norm.

@@ -662,17 +662,21 @@ def _fails_mid_step_worker(rank, world_size):
         failure = type(e).__name__, str(e), getattr(e, "__notes__", [])
     finite = all(p.grad.isfinite().all() for p in pipe.parameters() if p.grad is not None)  # zeros handed on
     del layer.forward
+    with pytest.raises(ValueError) as unfinished:  # a loop that caught the error would add onto partial gradients
+        pipe.step(x, y)
     pipe.zero_grad()
-    return failure, finite, *_clean_step(pipe, ref, x, y)
+    return failure, finite, str(unfinished.value), *_clean_step(pipe, ref, x, y)
 
 
 def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
     """The other ranks cannot finish the step: the failing rank still makes the step's transfers (with zeros),
     every rank raises, none waits for a timeout, and after zero_grad the pipeline trains exactly again."""
     build("llama", 1)
-    (first, finite_0, *results_0), (second, finite_1, *results_1) = run_distributed(_fails_mid_step_worker, 2,
-                                                                                     timeout=TIMEOUT)
+    (first, finite_0, unfinished_0, *results_0), (second, finite_1, unfinished_1, *results_1) = run_distributed(
+        _fails_mid_step_worker, 2, timeout=TIMEOUT)
     assert finite_0 and finite_1, "the failing rank hands on zeros, which leave the other ranks' gradients finite"
+    assert unfinished_0 == unfinished_1 == ("pipeline rank 0: the previous step failed, and the gradients may hold "
+                                            "part of it: call zero_grad() before the next step")
     assert first[:2] == ("RuntimeError", "boom in microbatch 1"), first
     assert any("call zero_grad() before the next step" in note for note in first[2]), first
     assert second[0] == "RuntimeError" and re.search(
@@ -852,13 +856,21 @@ def test_a_step_failing_in_a_weight_pass_keeps_no_microbatch():
 
 
 def test_a_failed_step_notes_on_its_error_what_to_do():
-    """The failing rank's own error carries the note, whole; one process has no other ranks to speak of."""
+    """The failing rank's own error carries the note, whole; one process has no other ranks to speak of. Until
+    zero_grad, a training step is then refused, as it would add to the failed step's partial gradients."""
     pipe = _pipe(None)
-    _first_layer_raising(pipe, lambda n: RuntimeError("boom"))
+    layer = _first_layer_raising(pipe, lambda n: RuntimeError("boom"))
     with pytest.raises(RuntimeError) as raised:
         pipe.step(X, Y)
     assert str(raised.value) == "boom" and raised.value.__notes__ == [
         "pipeline_parallel: this step's gradients are incomplete: call zero_grad() before the next step"]
+    del layer.forward
+    pipe.evaluate(X, Y)  # touches no gradient, and leaves the mark of the failed step
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^the previous step failed, .*call zero_grad\(\) before the next"):
+            pipe.step(X, Y)
+    pipe.zero_grad(set_to_none=False)
+    assert math.isfinite(pipe.step(X, Y))
 
 
 def _two_fail_worker(rank, world_size):
