@@ -3,6 +3,7 @@ checkpoints on schedule, and ends with run_end's report."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import time
@@ -23,7 +24,7 @@ from .config_checks import llama_config, validate
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import EXPORT_DIR, check_replaceable, hf_config_dict, keep_run_tokenizer
 from .hf_weights import check_hf_weights, load_hf_buffers, load_hf_weights
-from .launch import join_group, setup_device, world_size
+from .launch import join_group, setup_device, stop_asked, world_size
 from .metrics import MetricsLogger, bubble_fraction
 from .models import LlamaForCausalLM, num_parameters
 from .models.families import check_layout
@@ -65,6 +66,20 @@ def _check_same_settings(cfg: Config) -> None:
     if differ:
         raise ConfigError(f"the ranks were started with different settings: {differ}; launch every rank with "
                           "the same config file and overrides")
+
+
+@contextlib.contextmanager
+def _stopped_if_asked():
+    """A checkpoint's save or load that fails once a stop signal came ends as that stop: torch's file writer, for one,
+    turns the exception the signal raised in its write into an error of its own, which would blame the disk or call a
+    sound checkpoint damaged."""
+    try:
+        yield
+    except Exception as e:
+        stop = stop_asked()
+        if stop is None:
+            raise
+        raise stop from e
 
 
 class TrainingDiverged(RuntimeError):
@@ -217,7 +232,7 @@ class Trainer:
         check_resumable(path, extra, self.model_config, self.data)
         with as_config_error(str(path)):
             self.batches.load_state_dict(extra["data"])
-        with as_resume_error():  # its files are compared with their record first
+        with as_resume_error(), _stopped_if_asked():  # its files are compared with their record first
             load_checkpoint(path, self.pipe.model, self.optimizer)
         set_hyperparameters(self.optimizer, self.cfg.optim)  # the config's, not the checkpoint's
         self.step, self.tokens, self.checkpoint = extra["step"], extra["tokens"], path
@@ -303,8 +318,9 @@ class Trainer:
                  "data_digest": self.data.digest, "data_version": self.data.version,
                  "hf_model": str(Path(self.cfg.hf_model).resolve()) if self.cfg.hf_model else ""}
         try:
-            self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
-                                              self.cfg.checkpoint.keep_last)
+            with _stopped_if_asked():
+                self.checkpoint = save_checkpoint(self.run_dir, self.step, self.pipe.model, self.optimizer, extra,
+                                                  self.cfg.checkpoint.keep_last)
         except OSError as e:  # on every rank alike: a full disk, a directory that became read-only
             raise self._not_saved(e) from e
 

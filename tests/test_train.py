@@ -665,6 +665,53 @@ def test_an_interrupted_resume_of_an_older_checkpoint_names_its_own(runs, corpus
         assert re.fullmatch(rf"interrupted by SIGTERM: {said}\n", err), err
 
 
+def _file_io_turning_a_stop_into_its_own_error(real, interrupt_at: int):
+    """A checkpoint's file write or read (`real`) that a stop signal interrupts in its `interrupt_at`-th call, and that
+    then fails with an error of its own, as torch's file writer does ("unexpected pos")."""
+    calls = []
+
+    def io(self, *args):
+        calls.append(1)
+        if len(calls) == interrupt_at:
+            try:
+                _stop_by_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 30 vs 0") from None
+        return real(self, *args)
+
+    return io
+
+
+def test_a_stop_signal_a_checkpoint_file_turns_into_its_own_error_ends_the_run_as_a_stop(runs, corpus, tmp_path,
+                                                                                          monkeypatch, capsys,
+                                                                                          terminal_signals):
+    """Ctrl-C while torch wrote a checkpoint's file ended the run with exit 1 and "could not write ...; make room or fix
+    the directory", and while it read one on a resume, with "checkpoint ... is damaged; resume from an earlier one",
+    where torch turned the interruption into an error of its own."""
+    config = tmp_path / "run.toml"
+    config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"checkpoint.interval": 1})))
+    monkeypatch.setattr(ckpt.RecordingWriter, "write_data",
+                        _file_io_turning_a_stop_into_its_own_error(ckpt.RecordingWriter.write_data, 2))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(config)])
+    first = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert (exit_info.value.code, capsys.readouterr().err) == (
+        128 + signal.SIGINT, f"interrupted by SIGINT: run the same command to resume from its latest checkpoint, "
+                             f"{first} (steps after it are trained again)\n")
+    assert sorted(p.name for p in first.parent.iterdir()) == ["latest", "step_000001"]
+
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(runs[0], run_dir)
+    config.write_text(to_toml(make_cfg(run_dir, corpus, **{"train.max_steps": 8})))
+    monkeypatch.setattr(ckpt.SafeFileSystemReader, "read_data",
+                        _file_io_turning_a_stop_into_its_own_error(ckpt.SafeFileSystemReader.read_data, 1))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", str(config)])
+    assert (exit_info.value.code, capsys.readouterr().err) == (
+        128 + signal.SIGINT, f"interrupted by SIGINT: run the same command to resume from its latest checkpoint, "
+                             f"{run_dir / 'checkpoints' / 'step_000006'} (steps after it are trained again)\n")
+
+
 def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp_path, monkeypatch, capsys,
                                                                      terminal_signals):
     """Stopped while exporting at the end, it advised to resume; the same command then said the run was complete."""
