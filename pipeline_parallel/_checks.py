@@ -16,6 +16,11 @@ def is_int(value) -> bool:
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
+def plural(count: int, noun: str) -> str:
+    """`count` and `noun`, with an s where count is not 1: "1 stage", "2 stages"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def is_utf8(text: str) -> bool:
     """Whether `text` can be written as UTF-8 (holds none of `SURROGATES`)."""
     return SURROGATES.search(text) is None

@@ -7,7 +7,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-from ._checks import check_int, check_nonnegative, check_positive, is_int
+from ._checks import check_int, check_nonnegative, check_positive, is_int, plural
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int
     counts = list(layer_counts)
     if len(counts) != num_stages:
         raise ValueError(
-            f"layer_counts has {len(counts)} entries but there are {num_stages} pipeline stages; "
-            f"give one layer count per stage"
+            f"layer_counts {counts} gives {plural(len(counts), 'layer count')} but the pipeline has "
+            f"{plural(num_stages, 'stage')}; give one layer count per stage"
         )
     if any(not is_int(c) or c < 1 for c in counts):
         raise ValueError(f"layer_counts {counts}: every stage needs a whole number >= 1 of decoder layers")
@@ -166,7 +166,7 @@ def _check_stage_count(num_layers: int, num_stages: int) -> tuple[int, int]:
     num_layers, num_stages = check_int("num_layers", num_layers), check_int("num_stages", num_stages)
     if num_stages > num_layers:
         raise ValueError(
-            f"cannot split {num_layers} decoder layers into {num_stages} pipeline stages: every stage needs at "
-            f"least one layer; use at most {num_layers} ranks or a model with more layers"
+            f"cannot split {plural(num_layers, 'decoder layer')} into {num_stages} pipeline stages: every stage needs at "
+            f"least one layer; use at most {plural(num_layers, 'rank')} or a model with more layers"
         )
     return num_layers, num_stages

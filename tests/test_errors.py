@@ -232,7 +232,7 @@ PIPELINE_CASES = {
     "layer-counts-sum": (lambda r, w, g: _pipe(g, layer_counts=[3, 3]), ValueError,
                          r"layer_counts \[3, 3\] sum to 6 but the model has 4 decoder layers"),
     "layer-counts-length": (lambda r, w, g: _pipe(g, layer_counts=[4]), ValueError,
-                            r"layer_counts has 1 entries but there are 2 pipeline stages"),
+                            r"layer_counts \[4\] gives 1 layer count but the pipeline has 2 stages; give one layer count per stage"),
     "mismatch-microbatches": (lambda r, w, g: _pipe(g, num_microbatches=2 if r == 0 else 4), ValueError,
                               r"ranks disagree on 'num_microbatches'.*same num_microbatches"),
     "mismatch-schedule": (lambda r, w, g: _pipe(g, schedule="1f1b" if r == 0 else "gpipe"), ValueError,
@@ -741,7 +741,7 @@ def test_single_process_errors(name):
 
 
 def test_single_process_more_stages_than_layers_in_layer_counts():
-    with pytest.raises(ValueError, match=r"layer_counts has 2 entries but there are 1 pipeline stages"):
+    with pytest.raises(ValueError, match=r"layer_counts \[2, 2\] gives 2 layer counts but the pipeline has 1 stage;"):
         _pipe(None, layer_counts=[2, 2])
 
 
