@@ -166,7 +166,7 @@ def _check_stage_count(num_layers: int, num_stages: int) -> tuple[int, int]:
     num_layers, num_stages = check_int("num_layers", num_layers), check_int("num_stages", num_stages)
     if num_stages > num_layers:
         raise ValueError(
-            f"cannot split {plural(num_layers, 'decoder layer')} into {num_stages} pipeline stages: every stage needs at "
-            f"least one layer; use at most {plural(num_layers, 'rank')} or a model with more layers"
+            f"cannot split {plural(num_layers, 'decoder layer')} into {num_stages} pipeline stages: every stage "
+            f"needs at least one layer; use at most {plural(num_layers, 'rank')} or a model with more layers"
         )
     return num_layers, num_stages
