@@ -11,6 +11,7 @@ from pathlib import Path
 from ._files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "loss.png"
 
 
@@ -26,7 +27,9 @@ class MetricsLogger:
     interrupted run after its last checkpoint), so the file always reads as one run. Lines that cannot
     be written (a full disk) wait in memory, with `error` set, and go out whole with the next line that
     can be (part of a line written is taken back); the trainer tries them once more before each
-    checkpoint and stops if they still cannot, so that the resumed run logs those steps again.
+    checkpoint and stops if they still cannot, so that the resumed run logs those steps again. TensorBoard's
+    writer cannot take its records again once it failed: it is closed, with `tensorboard_error` set, which
+    stops the run at the next checkpoint as well.
     """
 
     def __init__(self, run_dir: str | Path, start_step: int = 0, tensorboard: bool = True):
@@ -36,6 +39,7 @@ class MetricsLogger:
         self.file = open(self.path, "ab", buffering=0)  # each write reaches the file, or fails, at once
         self.pending: list[bytes] = []
         self.error: OSError | None = None
+        self.tensorboard_error: OSError | None = None
         self.tb = None
         if tensorboard:
             try:
@@ -43,15 +47,19 @@ class MetricsLogger:
             except ImportError:  # optional: pip install tensorboard
                 pass
             else:
-                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+                self.tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=start_step + 1)
 
     def log(self, record: dict) -> None:
         self.pending.append((json.dumps(record) + "\n").encode())
         self.write_pending()
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+            try:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.tb.add_scalar(key, value, record["step"])
+            except OSError as e:  # a full disk: its writing thread died, and every later call would raise
+                self.tensorboard_error = e
+                self._close_tensorboard()
 
     def write_pending(self) -> None:
         """Write the lines waiting to be written; on failure keep them waiting, with `error` saying why."""
@@ -70,10 +78,25 @@ class MetricsLogger:
         else:
             self.pending, self.error = [], None
 
+    def unwritten(self) -> tuple[Path, OSError] | None:
+        """Where records this logger was given could not be written, and why; None if all were."""
+        if self.pending:
+            return self.path, self.error
+        if self.tensorboard_error:
+            return self.path.parent / TENSORBOARD_DIR, self.tensorboard_error
+        return None
+
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        self._close_tensorboard()
+
+    def _close_tensorboard(self) -> None:
+        tb, self.tb = self.tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except OSError as e:  # its last records: the run has ended, or stops at its next checkpoint
+                self.tensorboard_error = self.tensorboard_error or e
 
 
 def read_metrics(path: str | Path) -> list[dict]:

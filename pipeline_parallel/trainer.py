@@ -334,9 +334,10 @@ class Trainer:
         if self.metrics is None:
             return
         self.metrics.write_pending()  # once more: the disk may have room again
-        if self.metrics.pending:
-            e = self.metrics.error
-            raise OSError(f"could not write {self.metrics.path} ({e.strerror or e}); no checkpoint was saved")
+        unwritten = self.metrics.unwritten()
+        if unwritten:
+            path, e = unwritten
+            raise OSError(f"could not write {path} ({e.strerror or e}); no checkpoint was saved")
 
     def fit(self) -> list[dict]:
         """Train to max_steps, evaluating and checkpointing on schedule; returns the logged records."""

@@ -1452,6 +1452,54 @@ def test_metrics_that_cannot_be_written_stop_every_rank_before_the_next_checkpoi
         assert all(line.endswith("}") for line in (logged / "metrics.jsonl").read_text().splitlines()), "no half line"
 
 
+class _TensorBoardFullFrom:
+    """TensorBoard's writer on a disk that is full from `step` on: its writing thread dies, and every call raises."""
+
+    def __init__(self, tb, step: int):
+        self.tb, self.step, self.failed = tb, step, False
+
+    def add_scalar(self, key, value, step):
+        self.failed |= step >= self.step
+        if self.failed:
+            _no_room()
+        self.tb.add_scalar(key, value, step)
+
+    def close(self):
+        self.tb.close()
+        if self.failed:
+            _no_room()
+
+
+def _tensorboard_failing(rank, world_size, cfg):
+    """A run whose TensorBoard records cannot be written from step 3 on (rank 1 writes them), then resumed: what
+    stopped it."""
+    trainer = Trainer(cfg)
+    if trainer.metrics is not None:
+        trainer.metrics.tb = _TensorBoardFullFrom(trainer.metrics.tb, step=3)
+    with pytest.raises(CheckpointNotSaved) as raised:
+        trainer.fit()
+    run(cfg)
+    return str(raised.value)
+
+
+def test_tensorboard_records_that_cannot_be_written_stop_every_rank_before_the_next_checkpoint(corpus, tmp_path):
+    """TensorBoard's OSError on a full disk ended the rank writing the metrics alone, with a traceback. Its writer
+    cannot take the records again: the run stops before the next checkpoint, and the resumed run logs them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg(tmp_path, corpus, **{"checkpoint.interval": 2, "log.tensorboard": True})
+    said0, said1 = run_distributed(_tensorboard_failing, 2, cfg)
+    assert _but_room(said0) == _but_room(said1)
+    assert re.fullmatch(r"step 4: rank 1: could not write .*/tensorboard \(No space left on device\); no checkpoint was "
+                        rf"saved{_ROOM}; make room or fix the directory, then resume from .*step_000002", said0), said0
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = _losses(tmp_path)
+    assert list(logged) == [1, 2, 3, 4, 5, 6]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(step, pytest.approx(loss, rel=1e-6))
+                                                                   for step, loss in logged.items()]
+
+
 def _overflow_at_step_2(rank, world_size, cfg):
     """Train with the last stage's update of step 2 turning a weight infinite; returns what was raised."""
     trainer = Trainer(cfg)
