@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -32,6 +33,7 @@ from .tokenizer_identity import loads_differently, tokenizer_differences, tokeni
 EXPORT_DIR = "export"  # in the run directory
 TOKENIZER_DIR = "tokenizer"  # a user-given tokenizer, copied into the run directory
 WEIGHTS_FILE = "model.safetensors"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' errors name the OS's
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 _EXPORT_MARK = {"exported_by": "pipeline_parallel"}  # in the weights' metadata: an export may be replaced
@@ -169,6 +171,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
 
 
 def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: str, source) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     config = type(model.config).from_dict(model.config.to_dict())
@@ -187,7 +190,13 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     files = sorted([entry.name for entry in tmp.iterdir()] + [WEIGHTS_FILE])
     # The tokenizer it was exported with, which `export_tokenizer` checks: in the metadata, where transformers ignores it.
     metadata = {"format": "pt", **_EXPORT_MARK, "files": json.dumps(files), "tokenizer": json.dumps(tokenizer_record(tokenizer))}
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
+    try:
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
+    except SafetensorError as e:  # its I/O errors (a full disk) are no OSError, which the callers say what to do about
+        code = _OS_ERROR.search(str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1]))) from e
     # safetensors creates its file owner-only (0600); give it the permissions the other files got
     os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / HF_CONFIG).stat().st_mode))
 

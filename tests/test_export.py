@@ -804,7 +804,8 @@ def test_files_put_into_the_export_during_training_skip_the_export_at_the_end(co
 
 def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(corpus, tmp_path, capsys, monkeypatch):
     """A full disk while drawing the loss curve or exporting ended the finished, saved run with a traceback on the
-    last rank. The command it gives exports in the run's export.dtype (it gave float32's)."""
+    last rank (safetensors' error is no OSError). The command it gives exports in the run's export.dtype (it gave
+    float32's)."""
     import safetensors.torch
 
     import pipeline_parallel.run_end as run_end
@@ -812,7 +813,10 @@ def test_an_export_at_the_end_that_cannot_be_written_says_how_to_export_later(co
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    def weights_full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", weights_full)
     monkeypatch.setattr(run_end, "plot_loss", full)
     cfg = make_cfg(tmp_path / "run", corpus, **{"train.max_steps": 1, "eval.interval": 0, "export.at_end": True,
                                                  "export.sample_tokens": 0, "log.plot": True, "export.dtype": "bf16"})
