@@ -228,12 +228,19 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     except (OSError, UnicodeDecodeError):  # no pointer (or no readable one): the newest complete checkpoint
         named = None
     if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
-        missing = _missing_parts(named)
-        if missing:  # published whole, so a part missing now is damage, not a crash mid-save
-            raise damaged(named, f"it lacks {' and '.join(missing)}")
+        refuse_incomplete(named)
         return named
     complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
     return max(complete, key=_save_order) if complete else None
+
+
+def refuse_incomplete(path: Path) -> None:
+    """Raise DamagedCheckpointError if `path` is a published checkpoint directory that lacks a part: it was published
+    whole, so a part missing now is damage, not a crash mid-save (whose directory is step_N.tmp)."""
+    if _STEP_DIR.match(path.name) and path.is_dir():
+        missing = _missing_parts(path)
+        if missing:
+            raise damaged(path, f"it lacks {' and '.join(missing)}")
 
 
 def saved_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

@@ -8,11 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from ._checks import check_seed
-from .checkpoint import is_checkpoint
+from .checkpoint import is_checkpoint, refuse_incomplete
 from .config import FLOAT32_MAX, Config, ConfigError, ModelConfig, as_config_error, settings
 from .export import HF_CONFIG
 from .models import PRESETS, LlamaConfig
 from .partition import balanced_layer_counts, check_layer_counts
+from .resume import as_resume_error
 from .schedules import build_schedule
 
 _MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
@@ -78,6 +79,8 @@ def validate(cfg: Config, world_size: int) -> None:
     check(t.dtype in ("fp32", "bf16"), f"train.dtype must be fp32 or bf16, got {t.dtype!r}")
     check(cfg.export.dtype in ("fp32", "bf16"), f"export.dtype must be fp32 or bf16, got {cfg.export.dtype!r}")
     if cfg.resume not in ("auto", "latest", "never"):
+        with as_resume_error():  # a checkpoint that lacks a part is damaged, and the error names an earlier one
+            refuse_incomplete(Path(cfg.resume))
         hint = (f"; {cfg.resume} is a run directory: give it as run_dir with resume = latest, or name one of "
                 "its checkpoints/step_* directories" if (Path(cfg.resume) / "checkpoints").is_dir() else "")
         check(is_checkpoint(cfg.resume), "resume must be auto, latest, never or a complete checkpoint directory "

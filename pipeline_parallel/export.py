@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ._files import replace_dir, temporary_dir
-from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
+from .checkpoint import (DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra,
+                         refuse_incomplete)
 from .models.families import hf_config, with_rope_keys_of_transformers_4
 from .models.materialize import hf_model_on_meta, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
@@ -61,6 +62,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if is_checkpoint(path):
         return path
+    refuse_incomplete(path)  # a checkpoint named that lacks a part is damaged, and the error names an earlier one
     found = latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")

@@ -873,13 +873,23 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
 
 
 def test_a_damaged_newest_checkpoint_is_a_config_error_naming_an_earlier_one(corpus, tmp_path):
+    """Also where the damaged checkpoint is named itself, to resume from or export, which said "resume must be ...
+    a complete checkpoint directory" and "is neither a checkpoint nor a run directory with checkpoints"."""
+    from pipeline_parallel.export import resolve_checkpoint
+
     cfg = make_cfg(tmp_path, corpus, **{"train.max_steps": 2, "checkpoint.interval": 1, "checkpoint.keep_last": 2,
                                         "eval.interval": 0, "pipeline.num_microbatches": 1})
     run(cfg)
-    (tmp_path / "checkpoints" / "step_000002" / "meta.json").unlink()
-    with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); resume "
-                                          r"from an earlier one with --resume .*step_000001$"):
-        Trainer(with_overrides(cfg, **{"train.max_steps": 3}))
+    damaged = tmp_path / "checkpoints" / "step_000002"
+    (damaged / "meta.json").unlink()
+    for resume in ("auto", str(damaged)):
+        with pytest.raises(ConfigError, match=r"resume: checkpoint .*step_000002 is damaged \(it lacks meta.json\); "
+                                              r"resume from an earlier one with --resume .*step_000001$"):
+            Trainer(with_overrides(cfg, resume=resume, **{"train.max_steps": 3}))
+    for named in (tmp_path, damaged):
+        with pytest.raises(ckpt.DamagedCheckpointError, match=r"checkpoint .*step_000002 is damaged \(it lacks "
+                                                              r"meta.json\); use an earlier one, such as .*step_000001$"):
+            resolve_checkpoint(named)
     earlier = tmp_path / "checkpoints" / "step_000001"  # the advice, followed: once refused for the damaged newest one
     assert Trainer(with_overrides(cfg, resume=str(earlier), **{"train.max_steps": 3})).step == 1
 
