@@ -64,12 +64,14 @@ class Pipeline:
 
     ```
     pipe = Pipeline(model, schedule="1f1b", num_microbatches=8)
+    optimizer = torch.optim.AdamW(pipe.parameters())   # after the Pipeline: this rank's parameters
     loss = pipe.step(input_ids, labels)      # forward + backward of the whole batch
     pipe.clip_grad_norm_(1.0); optimizer.step(); pipe.zero_grad()
     ```
     Every rank of `group` (default: all) constructs it with the same arguments and calls
     `step` together. The loss is the token mean of cross-entropy over the whole batch (labels
-    of -100 ignored), so gradients equal those of one process on the full batch. The first
+    of -100 ignored), so gradients equal those of one process on the full batch; `labels` are the
+    targets, already shifted (`labels[:, t]` follows `input_ids[:, t]`). The first
     rank's `input_ids` and the last rank's `labels` are used; other ranks may pass None.
     `num_microbatches` defaults to twice the number of stages. The kept layers stay under their
     original indices (`model.model.layers` becomes a ModuleDict keyed "0", "1", ...).
@@ -183,7 +185,8 @@ class Pipeline:
                             split=None if forward_only else self.split, recompute=self.recompute and not forward_only)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> float:
-        """Forward and backward of one batch; gradients accumulate. Returns the loss on every rank."""
+        """Forward and backward of one batch (`labels` already shifted: the token that follows each input); gradients
+        accumulate. Returns the loss on every rank."""
         return self._run(input_ids, labels, training=True)
 
     @torch.no_grad()

@@ -67,7 +67,8 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
             _refuse_another_run(cfg, path)
             raise RunComplete(f"the run is complete: {path} is at step {step} and train.max_steps is "
                               f"{cfg.train.max_steps}, so there is nothing to train (nothing was changed). To train "
-                              "further, raise train.max_steps; to export that checkpoint again: "
+                              "further, raise train.max_steps (the cosine then stretches to the new end unless "
+                              "optim.lr_decay_steps pins it); to export that checkpoint again: "
                               f"{export_command(path, dtype=cfg.export.dtype)}")
     return path
 
@@ -100,8 +101,9 @@ def check_resumable(path: Path, extra: dict, model_config: dict, data: Data) -> 
                           "model settings it was trained with, or start a new run_dir")
     differences = tokenizer_differences(data.tokenizer, extra)
     if "vocabulary" in differences:
-        raise ConfigError(f"{path} was trained with another tokenizer than data.tokenizer gives: resume with "
-                          "the tokenizer it was trained with, or start a new run_dir")
+        raise ConfigError(f"{path} was trained with another tokenizer than the run has now (data.tokenizer, or where "
+                          "that is empty the run directory's own tokenizer.json): resume with the tokenizer it was "
+                          "trained with, or start a new run_dir")
     if differences:
         raise ConfigError(f"data.tokenizer has the vocabulary of the tokenizer {path} was trained with, "
                           f"{loads_differently(differences, extra)}; or start a new run_dir")
@@ -117,9 +119,9 @@ def check_resumable(path: Path, extra: dict, model_config: dict, data: Data) -> 
             f"differently ({changes}), but the run's place in one stream means nothing in the other. Resume with the "
             "version of pipeline_parallel that trained it, or start a new run_dir (to go on training this model with "
             "this version, start from its export with --hf-model)")
-    raise ConfigError(f"{path} was trained on other data than data.path gives now (its token stream differs): "
-                      "resume with the data it was trained on, or start a new run_dir (to train this model "
-                      "on new data, start from its export with --hf-model)")
+    raise ConfigError(f"{path} was trained on other data than data.path and data.max_tokens give now (its token "
+                      "stream differs): resume with the data it was trained on, or start a new run_dir (to train "
+                      "this model on new data, start from its export with --hf-model)")
 
 
 def _stream(version: int | None) -> str:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
+from ._checks import plural
 from ._files import atomic_write, room_note
 from .batch import differences
 from .checkpoint import load_checkpoint, published, read_extra, save_checkpoint
@@ -137,6 +138,8 @@ class Trainer:
                              layer_counts=cfg.pipeline.layer_counts or None, device=self.device,
                              autocast_dtype=autocast, seed=cfg.seed, seq_len=cfg.data.seq_len,
                              recompute=cfg.pipeline.recompute)
+        self.say(f"pipeline: {plural(self.pipe.pp_size, 'stage')}, layers per stage {self.pipe.layer_counts}, "
+                 f"schedule {self.pipe.schedule}, microbatches per step {self.pipe.num_microbatches}")
         self.optimizer = build_optimizer(self.pipe.model, cfg.optim)
         with as_config_error("train.batch_size"):  # the same data on every rank, so the same outcome
             self.batches = TokenBatches(self.data.train, cfg.train.batch_size, cfg.seed, accum_steps=cfg.train.grad_accum_steps,

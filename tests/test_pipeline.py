@@ -777,6 +777,14 @@ def test_gemma_built_on_meta_gets_its_embedding_scale():
     assert model.model.embed_tokens.embed_scale.item() == pytest.approx(ref.config.hidden_size ** 0.5)
     x, y = make_batch(4, 8)
     assert pipe.step(x, y) == pytest.approx(full_loss(ref, x, y).item(), abs=1e-5)
+    # Loaded before, with assign=True: the weights hold values, and the scale, in no state dict, is still on meta.
+    with torch.device("meta"):
+        loaded = type(ref)(ref.config)
+    loaded.load_state_dict(ref.state_dict(), assign=True)
+    with pytest.raises(ValueError, match=r"^buffer model.embed_tokens.embed_scale is on the meta device while the "
+                                         r"weights hold values, .*give the model with its buffers \(say from "
+                                         r"from_pretrained, or built off the meta device\)$"):
+        pp.Pipeline(loaded, num_microbatches=1, device="cpu")
 
 
 def test_starcoder2_embedding_dropout_is_applied_as_its_forward_does():

@@ -855,8 +855,9 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
         main(["--config", str(config)])  # returns: exit code 0
         assert capsys.readouterr().out == (
             f"the run is complete: {last} is at step 6 and train.max_steps is {max_steps}, so there is nothing to "
-            "train (nothing was changed). To train further, raise train.max_steps; to export that checkpoint "
-            f"again: python -m pipeline_parallel.export {last}\n")
+            "train (nothing was changed). To train further, raise train.max_steps (the cosine then stretches to the "
+            "new end unless optim.lr_decay_steps pins it); to export that checkpoint again: "
+            f"python -m pipeline_parallel.export {last}\n")
         assert files() == before
     # Another model, data or seed in that run_dir (the default one after the quick start): meant as a new run,
     # which it did not start, and said it trained nothing, exit code 0.
@@ -960,7 +961,8 @@ def test_resume_on_other_data_of_the_same_size_is_refused(corpus, tmp_path):
     own = {"data.max_tokens": 20_000, "train.max_steps": 1, "pipeline.num_microbatches": 1, "checkpoint.interval": 1}
     run(make_cfg(tmp_path / "run", corpus, **own))
     config = (tmp_path / "run" / "config.toml").read_bytes()
-    with pytest.raises(ConfigError, match=r"step_000001 was trained on other data than data.path gives .*--hf-model"):
+    with pytest.raises(ConfigError, match=r"step_000001 was trained on other data than data.path and "
+                                          r"data.max_tokens give now .*--hf-model"):
         Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "data.path": [str(other)], "train.max_steps": 2}))
     assert (tmp_path / "run" / "config.toml").read_bytes() == config
     Trainer(make_cfg(tmp_path / "run", corpus, **{**own, "train.max_steps": 2}))  # the same data resumes
@@ -1558,6 +1560,7 @@ def test_torchrun_end_to_end(corpus, tmp_path):
     assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert (run_dir / "export" / "model.safetensors").is_file() and (run_dir / "export" / "config.json").is_file()
     assert "resolved config:" in result.stdout and "sample:" in result.stdout
+    assert "\npipeline: 2 stages, layers per stage [2, 2], schedule 1f1b, microbatches per step 4\n" in result.stdout
 
 
 def test_the_optimizer_takes_every_configured_setting():

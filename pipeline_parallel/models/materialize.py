@@ -48,8 +48,9 @@ def weights_on_meta(model: nn.Module) -> bool:
         )
     buffers = _meta_buffers(model)
     if buffers and not (on_meta and is_hf_config(model.config)):
-        raise ValueError(f"buffer {buffers[0]} is on the meta device and the pipeline cannot recompute it; "
-                         "give the model with its buffers allocated")
+        raise ValueError(f"buffer {buffers[0]} is on the meta device while the weights hold values, and only a "
+                         "Hugging Face model wholly on meta has its buffers made; give the model with its buffers "
+                         "(say from from_pretrained, or built off the meta device)")
     return bool(on_meta)
 
 
