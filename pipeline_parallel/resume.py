@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+from dataclasses import asdict
 from pathlib import Path
 
 from .checkpoint import DamagedCheckpointError, latest_checkpoint, read_extra, saved_checkpoints
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, load_config, settings
 from .data import Data
 from .export import export_command
+from .models import LlamaConfig
 from .models.decoder import model_settings
 from .models.families import hf_config
 from .token_cache import STREAM_CHANGES
@@ -82,13 +84,28 @@ def _refuse_another_run(cfg: Config, path: Path) -> None:
         then = settings(load_config(recorded))
     except (OSError, ConfigError):  # no record (an older run), or one this version cannot read: not compared
         return
-    now = settings(cfg)
+    then, now = _as_built(then), _as_built(settings(cfg))
     differ = [f"{key} {then[key]!r} there, {now[key]!r} now" for key in now
               if key.startswith(("model.", "data.")) or key in ("hf_model", "seed") if then[key] != now[key]]
     if differ:
         raise ConfigError(f"the run in {cfg.run_dir} is complete ({path.name}, train.max_steps {cfg.train.max_steps}), "
                           f"and it was started with other settings ({'; '.join(differ)}): nothing was changed. "
                           "Give a new run_dir for a new run, or its own settings to train it further or export it")
+
+
+def _as_built(values: dict[str, object]) -> dict[str, object]:
+    """`values` (a config's settings) with each model.* key left unset as its preset has it, and no preset: a key
+    set to its preset's value, or another preset of the same shape, builds the same model. An unset vocab_size stays
+    unset (the tokenizer's, which the data.* keys decide)."""
+    try:
+        shape = asdict(LlamaConfig.from_preset(values["model.preset"]))
+    except ValueError:  # a preset this version does not have: compared as written
+        return values
+    built = {key: value for key, value in values.items() if key != "model.preset"}
+    for name, value in shape.items():
+        if built.get(f"model.{name}", 0) is None and name != "vocab_size":
+            built[f"model.{name}"] = value
+    return built
 
 
 def check_resumable(path: Path, extra: dict, model_config: dict, data: Data) -> None:

@@ -850,8 +850,11 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
     before = files()
     monkeypatch.setattr(trainer, "prepare_data", None)  # not called
     last = run_dir / "checkpoints" / "step_000006"
-    for max_steps in (6, 4):
-        config.write_text(to_toml(make_cfg(run_dir, corpus, **{"train.max_steps": max_steps, "export.at_end": True})))
+    # A model setting given its preset's value, or another preset whose shape every setting overrides, is the same
+    # model: they were refused ("model.rms_norm_eps None there, 1e-05 now").
+    for max_steps, same_model in ((6, {}), (4, {}), (6, {"model.rms_norm_eps": 1e-5}), (6, {"model.preset": "small"})):
+        config.write_text(to_toml(make_cfg(run_dir, corpus, **{"train.max_steps": max_steps, "export.at_end": True,
+                                                                **same_model})))
         main(["--config", str(config)])  # returns: exit code 0
         assert capsys.readouterr().out == (
             f"the run is complete: {last} is at step 6 and train.max_steps is {max_steps}, so there is nothing to "
@@ -862,6 +865,7 @@ def test_starting_a_complete_run_again_does_nothing_and_says_how_to_train_furthe
     # Another model, data or seed in that run_dir (the default one after the quick start): meant as a new run,
     # which it did not start, and said it trained nothing, exit code 0.
     for change, differs in [({"model.num_hidden_layers": 3}, "model.num_hidden_layers 4 there, 3 now"),
+                            ({"model.rope_theta": 5e5}, "model.rope_theta 10000.0 there, 500000.0 now"),
                             ({"data.seq_len": 16}, "data.seq_len 32 there, 16 now"), ({"seed": 1}, "seed 0 there, 1 now")]:
         config.write_text(to_toml(make_cfg(run_dir, corpus, **change)))
         with pytest.raises(SystemExit) as exit_info:
