@@ -45,7 +45,7 @@ def loads_differently(differences: list[str], record: dict) -> str:
     then, now = record.get("transformers_version"), _transformers_version()
     how = (f"load it with transformers {then}, which it was recorded under (this is {now})" if then and then != now
            else "load it as it was loaded then (transformers 5 can read a tokenizer directory and its tokenizer.json "
-                "alone differently)")
+                "alone differently), or, if its files were edited since, put them back as they were")
     differ = " and ".join(filter(None, [", ".join(differences[:-1]), differences[-1]]))
     return (f"but tokenizes text differently as loaded now: its {differ} differ{'s' if len(differences) == 1 else ''}, "
             f"so the model would be given other ids for the same text; {how}")

@@ -151,6 +151,7 @@ def test_a_message_on_a_tokenizer_that_loads_differently_says_what_differs_and_h
         f"ids for the same text; load it with transformers 4.46.3, which it was recorded under (this is {now})")
     same = loads_differently(["model", "normalizer", "decoder"], {"transformers_version": now})
     assert "its model, normalizer and decoder differ, so" in same and "load it as it was loaded then" in same
+    assert same.endswith("or, if its files were edited since, put them back as they were")  # same version: edited?
     assert f"load it with transformers {now}" not in same
 
 
