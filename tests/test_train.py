@@ -953,7 +953,9 @@ def test_resume_with_another_tokenizer_is_refused_and_leaves_the_run_as_it_was(r
     other.save(tmp_path)
     assert other.vocab_size == 320  # the same model shape: only the tokenizer tells them apart
     kept = {name: (whole / name).read_bytes() for name in ("config.toml", "tokenizer/tokenizer.json")}
-    with pytest.raises(ConfigError, match="another tokenizer"):
+    with pytest.raises(ConfigError, match=r"step_000006 was trained with another tokenizer than the run has now "
+                                          r"\(data.tokenizer, or where that is empty the run directory's own "
+                                          r"tokenizer.json\): resume with the tokenizer it was trained with"):
         Trainer(make_cfg(whole, corpus, **_MORE_STEPS, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
     assert {name: (whole / name).read_bytes() for name in kept} == kept
 
