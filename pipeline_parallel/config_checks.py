@@ -8,7 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ._checks import check_seed
-from .checkpoint import is_checkpoint, refuse_incomplete
+from ._checkpoint_dirs import refuse_incomplete
+from .checkpoint import is_checkpoint
 from .config import FLOAT32_MAX, Config, ConfigError, ModelConfig, as_config_error, settings
 from .export import HF_CONFIG
 from .models import PRESETS, LlamaConfig

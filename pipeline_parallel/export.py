@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._checkpoint_dirs import refuse_incomplete
 from ._files import replace_dir, temporary_dir
-from .checkpoint import (DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra,
-                         refuse_incomplete)
+from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
 from .models.families import hf_config, with_rope_keys_of_transformers_4
 from .models.materialize import hf_model_on_meta, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
