@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from ._checks import plural
+from ._dir_lock import DirectoryInUse, lock_dir, unlock_dir
 from ._files import atomic_write, room_note
 from .batch import differences
 from .checkpoint import load_checkpoint, published, read_extra, save_checkpoint

@@ -55,6 +55,16 @@ def _keep_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_left():
+    """A stop signal an in-process run got stays for `stop_asked` after it (main reads it as the run ends): the next
+    test, and the ranks it forks, start without it, as a new process does."""
+    from pipeline_parallel import launch
+
+    yield
+    launch._stops.clear()
+
+
 def make_cfg(run_dir: Path, corpus: tuple[Path, Path], **overrides):
     """A 4-layer, 32-wide model on the small corpus: 8 sequences of 32 tokens per step, no frills."""
     data, tokenizer = corpus
