@@ -167,6 +167,10 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     try:
         _write_hf_model(model, tokenizer, tmp, dtype, source)
         replace_dir(tmp, out_dir)
+    except KeyboardInterrupt as stop:
+        if not tmp.exists():  # renamed onto out_dir: only the removal of what it held before was cut short
+            stop.exported = out_dir
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # left only by a failure
     return out_dir
@@ -334,7 +338,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {again}\n")
     except (OSError, ValueError) as e:  # no checkpoint there, --out not replaceable
         parser.exit(2, f"error: {e}\n")
-    except KeyboardInterrupt:  # the output is written aside and renamed in whole (see save_hf_model)
+    except KeyboardInterrupt as stop:  # the output is written aside and renamed in whole (see save_hf_model)
+        if hasattr(stop, "exported"):
+            parser.exit(130, f"interrupted after the export was in place: {stop.exported} holds the new one\n")
         parser.exit(130, "interrupted: nothing was exported; the output directory holds what it held before\n")
     print(f"exported {sum(p.numel() for p in model.parameters()):,} parameters to {out_dir}")
 

@@ -279,6 +279,19 @@ def test_ctrl_c_ends_export_and_generate_with_one_line(trained, tmp_path, monkey
     assert capsys.readouterr().err == "interrupted: nothing was exported; the output directory holds what it held before\n"
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    monkeypatch.undo()
+
+    def stopped_once_in_place(tmp, path):  # as in the removal of what `path` held before
+        real_replace_dir(tmp, path)
+        raise KeyboardInterrupt
+
+    real_replace_dir = export_module.replace_dir
+    monkeypatch.setattr(export_module, "replace_dir", stopped_once_in_place)
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(run_dir), "--out", str(out), "--dtype", "bf16"])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == f"interrupted after the export was in place: {out} holds the new one\n"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
     monkeypatch.setattr(generate_module, "sample", stopped)
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(out)])
@@ -533,10 +546,11 @@ def test_an_interrupted_export_leaves_a_whole_one_in_place(tmp_path, monkeypatch
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stop:
         save_hf_model(model, tok, out)
     monkeypatch.undo()
     new = rename == 2 and renamed
+    assert getattr(stop.value, "exported", None) == (out if new else None)  # what export's main tells
     assert ((out / "model.safetensors").read_bytes() == old) != new
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) == new
