@@ -1065,6 +1065,38 @@ def test_a_stage_reads_the_weights_transformers_converts_from_its_files(model_ty
             assert torch.equal(tensor, want[name]), name
 
 
+def test_only_a_tied_head_missing_from_the_files_takes_the_embedding(tmp_path):
+    """`save_pretrained` leaves a tied head out of the files: the last stage reads it from the embedding. An
+    untied model's files without the head are refused; the head was filled with the embedding, silently."""
+    import transformers
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline_parallel.hf_weights import check_hf_weights, load_hf_weights
+
+    for tie in (True, False):
+        model = build("llama", tie=tie)
+        model.save_pretrained(tmp_path / str(tie))
+        assert tie != ("lm_head.weight" in load_file(tmp_path / str(tie) / "model.safetensors"))
+    untied = tmp_path / "False" / "model.safetensors"
+    save_file({k: v for k, v in load_file(untied).items() if k != "lm_head.weight"}, untied, metadata={"format": "pt"})
+    for tie in (True, False):
+        with torch.device("meta"):
+            on_meta = transformers.AutoModelForCausalLM.from_config(build("llama", tie=tie).config)
+        last = copy.deepcopy(on_meta)
+        keep_local_part(last, layer_ranges([2, 2])[1], False, True)
+        materialize(last, torch.device("cpu"))
+        if tie:
+            check_hf_weights(on_meta, tmp_path / "True")
+            load_hf_weights(last, tmp_path / "True")
+            assert torch.equal(last.lm_head.weight, load_file(tmp_path / "True" / "model.safetensors")[
+                "model.embed_tokens.weight"])
+            continue
+        for load in (check_hf_weights, load_hf_weights):
+            with pytest.raises(ValueError, match=r"lacks 1 of the LlamaForCausalLM weights, e.g. \['lm_head.weight'\]"):
+                load(on_meta if load is check_hf_weights else last, tmp_path / "False")
+
+
 def test_experts_of_other_shapes_than_the_config_gives_are_refused(tmp_path):
     """Experts saved one by one, for a config.json whose experts are twice as wide: transformers 5 leaves the
     fused tensors unmade (it only logs), so the load must refuse rather than train with what they held (as it
