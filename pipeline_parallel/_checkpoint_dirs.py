@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -11,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from ._checkpoint_files import differences
-from ._files import atomic_write, replace_dir
+from ._checkpoint_files import file_differences
+from ._files import atomic_write, json_hash, replace_dir
 from .comm import PipeComm
 
 CHECKPOINTS = "checkpoints"  # subdirectory of run_dir
@@ -96,10 +95,6 @@ def _missing_parts(path: Path) -> list[str]:
     return [name for name in (".metadata", META) if not (path / name).is_file()]
 
 
-def _is_complete(path: Path) -> bool:
-    return not _missing_parts(path)
-
-
 def require_complete(path: Path) -> None:
     missing = _missing_parts(path)
     if missing:
@@ -128,11 +123,7 @@ def meta_text(meta: dict) -> str:
     """meta.json's text for `meta` (JSON values), sealed with the SHA-256 of its content as a load reads it
     back (keys as strings)."""
     content = json.loads(json.dumps(meta))
-    return json.dumps({**content, _SEAL: _digest(content)}, indent=1)
-
-
-def _digest(meta: dict) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    return json.dumps({**content, _SEAL: json_hash(content)}, indent=1)
 
 
 class _Unsealed(ValueError):
@@ -146,7 +137,7 @@ def _meta(path: Path) -> dict:
     meta = json.loads((path / META).read_text())
     if isinstance(meta, dict) and _SEAL in meta:
         content = {key: value for key, value in meta.items() if key != _SEAL}
-        if meta[_SEAL] != _digest(content):
+        if meta[_SEAL] != json_hash(content):
             raise _Unsealed(f"its {META} changed since it was saved (its {_SEAL} is not that of its content)")
         return content
     if not (isinstance(meta, dict) and {"format_version", "step", "extra"} <= meta.keys()):
@@ -179,17 +170,17 @@ def damaged(path: Path, why: str, comm: PipeComm | None = None) -> DamagedCheckp
     others = sorted((p for p, order in orders.items() if order < own and not _abandoned(order, own)), key=orders.get,
                     reverse=True)
     if comm is None:
-        return DamagedCheckpointError(path, why, next((p for p in others if _is_complete(p)), None))
+        return DamagedCheckpointError(path, why, next((p for p in others if is_checkpoint(p)), None))
     others = comm.all_gather_object(others)[0]
     return DamagedCheckpointError(path, why, next((p for p in others if _intact(p, comm)), None))
 
 
 def file_problems(path: Path, comm: PipeComm) -> list[str]:
-    """How the files of checkpoint `path` differ from the record in its meta.json (see `differences`), the same on
+    """How the files of checkpoint `path` differ from the record in its meta.json (see `file_differences`), the same on
     every rank of `comm`, which all call it: each hashes its share of the files."""
     mine = [f"it lacks {name}" for name in _missing_parts(path)]  # also where no record can tell
     try:
-        mine += differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
+        mine += file_differences(path, _meta(path).get("files"), (comm.pp_rank, comm.pp_size))
     except (OSError, ValueError) as e:
         mine += [_meta_problem(e)]
     return list(dict.fromkeys(problem for problems in comm.all_gather_object(mine) for problem in problems))
@@ -230,7 +221,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     if named is not None and _STEP_DIR.match(named.name) and named.is_dir():
         refuse_incomplete(named)
         return named
-    complete = [p for p in _step_dirs(ckpt_dir) if _is_complete(p)]
+    complete = [p for p in _step_dirs(ckpt_dir) if is_checkpoint(p)]
     return max(complete, key=_save_order) if complete else None
 
 
@@ -250,7 +241,7 @@ def saved_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
     """Whether `path` is a complete checkpoint directory (not a run directory, not a half-written save)."""
-    return _is_complete(Path(path))
+    return not _missing_parts(Path(path))
 
 
 def read_extra(path: str | os.PathLike) -> dict:

@@ -106,7 +106,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
-def differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1)) -> list[str]:
+def file_differences(directory: Path, record: dict[str, dict] | None, share: tuple[int, int] = (0, 1)) -> list[str]:
     """How checkpoint `directory` differs from the `record` of its files (name -> `file_record`) taken when it was
     saved; empty if it does not, or if there is no record (None) to compare with; a ValueError if `record` is no such
     record.

@@ -4,10 +4,16 @@ hashed whole, so a reader can tell one changed since."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
 from pathlib import Path
+
+
+def json_hash(value) -> str:
+    """The SHA-256 (hex) of `value` as JSON with sorted keys: equal for equal values, whatever their keys' order."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def temporary_path(path: Path) -> Path:

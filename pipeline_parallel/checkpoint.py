@@ -26,6 +26,7 @@ from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, clear_
 from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from ._files import atomic_write
 from .comm import PipeComm
+from .models.materialize import shared_parameters
 
 __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
            "published", "read_extra", "save_checkpoint", "saved_checkpoints"]
@@ -79,11 +80,8 @@ def _add_tied_aliases(model: torch.nn.Module, optim: dict) -> dict:
     DCP stores it under one name only, but a pipeline split that puts the tied copies
     on different ranks must find it under each of them.
     """
-    names: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
     out = dict(optim)
-    for tied in (n for n in names.values() if len(n) > 1):
+    for tied in shared_parameters(model):
         for key, value in optim.items():
             kind, _, rest = key.partition(".")  # "state"|"param_groups", "<fqn>.<field>"
             for name in (n for n in tied if rest.startswith(n + ".")):

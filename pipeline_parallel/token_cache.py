@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -14,7 +13,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ._files import atomic_write, file_record, fsync_dir, temporary_path
+from ._files import atomic_write, file_record, fsync_dir, json_hash, temporary_path
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -200,7 +199,7 @@ def cached_tokens(
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be positive or None (no cap), got {max_tokens}")
     key = {"version": CACHE_VERSION, "source": source_key, "max_tokens": max_tokens, "tokenizer": tokenizer.fingerprint()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = json_hash(key)[:16]
     dtype = token_dtype(tokenizer)
     path = Path(run_dir) / CACHE_PATTERN.replace("*", f"{digest}.{np.dtype(dtype).name}")
     damage = _damage(path, dtype) if path.is_file() else None

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from pathlib import Path
 
-from ._files import atomic_write
+from ._files import atomic_write, json_hash
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-text tokens we recognise in a bare tokenizer.json, most usual first.
@@ -162,10 +161,6 @@ class Tokenizer:
         if model_max_length:
             config["model_max_length"] = model_max_length
         atomic_write(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
-
-
-def json_hash(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def _canonical(spec: dict) -> dict:

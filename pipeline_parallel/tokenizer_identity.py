@@ -6,7 +6,8 @@ import hashlib
 import importlib.metadata
 import json
 
-from .tokenizer import TOKENIZER_FILE, Tokenizer, json_hash, read_tokenizer_json
+from ._files import json_hash
+from .tokenizer import TOKENIZER_FILE, Tokenizer, read_tokenizer_json
 
 
 def _transformers_version() -> str | None:

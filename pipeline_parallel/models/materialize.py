@@ -93,7 +93,7 @@ def _non_rotary_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, b) for name, b in model.named_buffers() if id(b) not in rotary]
 
 
-def _shared_parameters(model: nn.Module) -> list[list[str]]:
+def shared_parameters(model: nn.Module) -> list[list[str]]:
     """The names of each parameter that several modules use (a tied embedding and head, a weight two layers share)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -131,7 +131,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
     if weights_made:
         tied = inner.embed_tokens is not None and model.lm_head is not None and \
             model.lm_head.weight is inner.embed_tokens.weight
-        buffers, given, shared = _meta_buffers(model), _given_buffers(model), _shared_parameters(model)
+        buffers, given, shared = _meta_buffers(model), _given_buffers(model), shared_parameters(model)
         loaded = set() if init_weights else set(model.state_dict())  # the checkpoint's, such as a router's bias
         model.to_empty(device=device)  # makes each use of a shared parameter one of its own: tie them again
         for first, *others in shared:
