@@ -28,22 +28,22 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> float | N
     model's parameters, whose modules this rank runs are moved and cast to `device` and `dtype`
     in place. Returns the summed loss on the last rank and None on the others.
     """
-    return _train_step(model, inputs, targets, device, dtype, "gpipe")
+    return _train_step(model, inputs, targets, device, dtype, "gpipe", call="train_step_pipeline_afab()")
 
 
 def train_step_pipeline_1f1b(model, inputs, targets, device, dtype) -> float | None:
     """As `train_step_pipeline_afab`, with the one-forward-one-backward schedule (less memory)."""
-    return _train_step(model, inputs, targets, device, dtype, "1f1b")
+    return _train_step(model, inputs, targets, device, dtype, "1f1b", call="train_step_pipeline_1f1b()")
 
 
-def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str) -> float | None:
+def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str, call: str) -> float | None:
     device, error = usable_device(device)
     comm = PipeComm(None, device)
     stage_idx, num_stages = comm.pp_rank, comm.pp_size
     first, last = stage_idx == 0, stage_idx == num_stages - 1
 
     # Every local check feeds the shared agreement below, so a rank that fails alone fails them all.
-    input_ids = labels = tied = None
+    input_ids = labels = tied = layer_counts = None  # what a failed check leaves unset
     num_layers, vocab_size, model_config = 0, 0, {}
     try:
         check_layout(model)
@@ -64,7 +64,6 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str)
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
                            num_layers=num_layers, model_config=model_config, tied_embedding=tied)
-    call = "train_step_pipeline_afab()" if schedule == "gpipe" else "train_step_pipeline_1f1b()"
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None, call=call,
                           vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
                           local_error=error, details={"model_config": model_config})

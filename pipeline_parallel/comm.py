@@ -118,15 +118,20 @@ class PipeComm:
         """The last rank's `tensor` becomes the first rank's (one matrix held at both ends, as tying
         does in one process); called by those two ranks. Their checksums tell whether the ends
         differ, so equal ones cost one read of the matrix and no transfer of it."""
-        peer = self.pp_size - 1 if is_first else 0
+        peer = self._other_end(is_first)
         mine = _bits_checksum(tensor)
         if not torch.equal(mine, self._swap(mine, peer)):
             for work in self.post([("send" if is_first else "recv", tensor, peer)]):
                 work.wait()
 
-    def exchange_add_(self, tensor: torch.Tensor, peer: int) -> None:
-        """Add the peer's copy of `tensor` to ours while it adds ours to its own (tied weights)."""
-        tensor.add_(self._swap(tensor, peer))
+    def exchange_add_(self, tensor: torch.Tensor, is_first: bool) -> None:
+        """Add the other end's copy of `tensor` to ours while it adds ours to its own (the two parts of a tied
+        weight's gradient); called by the first and last ranks."""
+        tensor.add_(self._swap(tensor, self._other_end(is_first)))
+
+    def _other_end(self, is_first: bool) -> int:
+        """The last rank for the first, the first for the last: the two ends of a tied weight."""
+        return self.pp_size - 1 if is_first else 0
 
     def _swap(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
         """The peer's copy of `tensor`, for ours."""

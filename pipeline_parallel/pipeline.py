@@ -12,12 +12,14 @@ from ._checks import check_bool, check_int, check_positive, check_seed
 from .batch import agree_on_batch, agree_on_settings, fingerprint
 from .comm import PipeComm, default_device, usable_device
 from .loss import IGNORE_INDEX
-from .models.decoder import DecoderParts, check_shared_parameters, is_tied, model_settings, tied_weight_end
+from .models.decoder import (DecoderParts, check_shared_parameters, end_weight, is_tied, model_settings,
+                             tied_weight_end)
 from .models.families import check_layout
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import build_schedule, estimated_duration, recomputed, relative_costs, send_releases
+from .schedules import build_schedule, send_releases
+from .schedules.split import planned_duration
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -42,9 +44,11 @@ def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tu
     args = (schedule, comm.pp_size, num_microbatches, comm.prefetch_receives, tuple(costs), forward_only, split,
             recompute)
     try:
-        programs, releases = _planned(*args)
+        hash(args)
     except TypeError:  # an unhashable, so bad, argument: build_schedule says what is wrong with it
         programs, releases = _planned.__wrapped__(*args)
+    else:
+        programs, releases = _planned(*args)
     return list(programs[comm.pp_rank]), releases[comm.pp_rank]
 
 
@@ -53,9 +57,7 @@ def rank_program(schedule: str, comm: PipeComm, num_microbatches: int, costs: tu
 def _planned(schedule, num_stages, num_microbatches, prefetch, costs, forward_only, split, recompute) -> tuple:
     lowered = build_schedule(schedule, num_stages, num_microbatches, prefetch=prefetch, forward_only=forward_only,
                              stage_costs=list(costs), split=split, recompute=recompute)
-    # As the plan was made with, and the runtime recomputes: the forwards whose backward does not come next.
-    duration = estimated_duration(relative_costs(list(costs), num_stages),
-                                  recomputed(lowered) if recompute else frozenset())
+    duration = planned_duration(list(costs), num_stages, lowered, recompute)  # the one build_schedule planned with
     return tuple(map(tuple, lowered)), tuple(send_releases(lowered, num_stages, duration))
 
 
@@ -154,7 +156,7 @@ class Pipeline:
         self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype, recompute)
         self._tied_weight = None
         if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
-            self._tied_weight = model.model.embed_tokens.weight if self.is_first else model.lm_head.weight
+            self._tied_weight = end_weight(model, self.is_first)
             # The ends may hold different values (initialised apart, on meta or by the caller): as
             # tying does in one process, the head takes the embedding, the first stage's copy.
             self.comm.share_from_first_(self._tied_weight.data, self.is_first)
@@ -245,8 +247,7 @@ class Pipeline:
         runs the modules it found then, and transfers activations in the dtype it agreed on then."""
         try:
             modules = DecoderParts.of(self.model, self.layer_indices, self.is_first, self.is_last).named_modules()
-            tie_replaced = self._tied_weight is not None and self._tied_weight is not (
-                self.model.model.embed_tokens.weight if self.is_first else self.model.lm_head.weight)
+            tied_now = end_weight(self.model, self.is_first) if self._tied_weight is not None else None
         except Exception as e:  # any: raised here, before the ranks agree, it would leave the others waiting
             return (f"the model lost a part its stage runs after the Pipeline was built ({e}); change the whole "
                     "model before building the Pipeline from it")
@@ -256,7 +257,7 @@ class Pipeline:
         if replaced:
             return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
                     "would go on running the old one; change the whole model before building the Pipeline from it")
-        if tie_replaced:
+        if tied_now is not self._tied_weight:
             return ("the tied embedding's Parameter was replaced after the Pipeline was built (say, by "
                     "load_state_dict(assign=True)), and the step would go on adding the two ends' gradients into "
                     "the old one; load the weights in place, or before building the Pipeline")

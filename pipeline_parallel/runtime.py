@@ -163,7 +163,7 @@ class _Mailbox:
             f"schedule left data unused: {list(self.received) + list(self.produced)}"
 
 
-def _compute(action: Action, stage: PipelineStage, data, step: StepData, backward_next: bool = False
+def _compute(action: Action, stage: PipelineStage, data, step: StepData, backward_next: bool
              ) -> torch.Tensor | None:
     """Run one compute action; returns what it hands to a neighbouring stage (see `user_of`). `backward_next`: this
     forward's backward is the rank's next compute action."""
@@ -247,7 +247,7 @@ def run_step(
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
             if this_step.is_sparse:  # an embedding made sparse: sent, and added to the head's, dense
                 this_step = this_step.to_dense()
-            comm.exchange_add_(this_step, comm.pp_size - 1 if holds_first else 0)
+            comm.exchange_add_(this_step, holds_first)
             if frozen:
                 tied_weight.grad = accumulated
             else:

@@ -192,7 +192,7 @@ class _ForwardSeen:
 
 
 @contextlib.contextmanager
-def _forward_watched(seen: _ForwardSeen, enabled: bool = True):
+def _forward_watched(seen: _ForwardSeen, enabled: bool):
     """Within: the autograd node of every tensor given a gradient hook (`register_hook`) or
     `retain_grad()` is added to `seen.hooked`, and saved-tensor hooks in use (entered within, as
     non-reentrant checkpointing does, or already around) set `seen.saved_tensor_hooks`. Sees what the

@@ -166,4 +166,10 @@ def tied_weight_end(model: nn.Module, num_stages: int, first: bool, last: bool) 
     """
     if num_stages == 1 or not (first or last) or not is_tied(model):
         return None
-    return model.model.embed_tokens.weight
+    return end_weight(model, first)
+
+
+def end_weight(model: nn.Module, first: bool) -> nn.Parameter:
+    """The end of a tied embedding/LM head a first or last stage holds: the embedding's weight on the first stage,
+    the head's on the last (one Parameter until the model is split)."""
+    return model.model.embed_tokens.weight if first else model.lm_head.weight

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: generators, lowering to communication, and validation."""
+"""Pipeline schedules as data: generators, the split of backwards into I and W, lowering to communication,
+validation, the simulator, and when each send may be let go of."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .lowering import add_transfers, lower
 from .one_f_one_b import one_f_one_b
 from .releases import send_releases
 from .simulate import makespan, simulate
-from .split import choose_split, estimated_duration, planned_split, relative_costs, split_backwards
+from .split import choose_split, estimated_duration, planned_duration, planned_split, split_backwards
 from .validate import ScheduleError, validate
 
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
@@ -38,9 +39,8 @@ def build_schedule(
     check_bool("recompute", recompute)
     if forward_only and split is not None:
         raise ValueError(f"split={split!r} with forward_only=True: a forward-only schedule has no backwards to split")
-    costs = relative_costs(stage_costs, num_stages)
     compute = SCHEDULES[key](num_stages, num_microbatches)
-    duration = estimated_duration(costs, recomputed(compute) if recompute else frozenset())
+    duration = planned_duration(stage_costs, num_stages, compute, recompute)
     if forward_only:
         compute = [[a for a in actions if a.kind == Kind.F] for actions in compute]
     else:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Set as AbstractSet
 from typing import Callable
 
 from .._checks import check_int, check_nonnegative, check_positive
-from .actions import Action, I, Kind, Schedule, check_well_formed, stage_to_rank
+from .actions import Action, I, Kind, Schedule, check_well_formed, recomputed, stage_to_rank
 from .simulate import Replay, checked_duration, makespan
 
 SPLIT_OVERHEAD = 0.1  # a split backward's extra cost, as a share of the whole one (graph walk, two passes)
@@ -100,6 +100,15 @@ def estimated_duration(stage_costs: list[float], recomputed: AbstractSet[tuple[i
         return costs[action.stage] * (share[action.kind] + again)
 
     return duration
+
+
+def planned_duration(stage_costs: list[float] | None, num_stages: int, schedule: Schedule, recompute: bool
+                     ) -> Callable[[Action], float]:
+    """The cost model a plan of `schedule` is made with (`estimated_duration`) for these relative forward costs per
+    stage (see `relative_costs`); with `recompute`, the forwards whose backward does not come next on their rank run
+    again (`actions.recomputed`), as the runtime does. `schedule` may be the compute list or its lowered form."""
+    again = recomputed(schedule) if recompute else frozenset()
+    return estimated_duration(relative_costs(stage_costs, num_stages), again)
 
 
 def choose_split(schedule: Schedule, num_stages: int, stage_costs: list[float]) -> Schedule:

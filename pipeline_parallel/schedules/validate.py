@@ -176,7 +176,7 @@ def _check_in_order_batches(lowered: Schedule, num_stages: int, num_ranks: int) 
     when the peer's current batch holds its counterpart; a compute action waits for the whole
     batch holding the receive it consumes.
     """
-    programs = []  # per rank: list of ("compute", action) or ("batch", [messages with direction])
+    programs = []  # per rank: list of ("compute", action) or ("batch", [its comm actions])
     for actions in lowered:
         items: list = []
         for a in actions:
