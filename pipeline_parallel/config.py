@@ -186,7 +186,7 @@ def _convert(key: str, value, from_text: bool):
     try:
         if typing.get_origin(kind) is list:
             item = typing.get_args(kind)[0]
-            if from_text:  # an empty path is kept for `validate` to refuse ("" is `.`); no number is ""
+            if from_text:  # an empty path is kept for `check_config` to refuse ("" is `.`); no number is ""
                 return [item(v.strip()) for v in value.split(",") if v.strip() or item is str]
             items = [value] if isinstance(value, str) else value  # a single path may be given as a string
             return [_exact(item, v) for v in items]

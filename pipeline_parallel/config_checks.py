@@ -57,7 +57,7 @@ def llama_config(cfg: Config, vocab_size: int) -> LlamaConfig:
         return LlamaConfig.from_preset(cfg.model.preset, **overrides)
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def check_config(cfg: Config, world_size: int) -> None:
     """Raise ConfigError for any invalid setting or combination. Reads only the config and the
     files it names (resume, hf_model), which a node may see differently: the training program
     runs it on every rank and raises the first failure everywhere."""

@@ -11,20 +11,21 @@ from ._checks import check_int, check_nonnegative, check_positive, is_int, plura
 
 
 @dataclass(frozen=True)
-class StageCosts:
-    """Estimated cost of each piece of the model, in the same unit (multiply-adds per token)."""
+class ModelCosts:
+    """Estimated cost of each piece of the model, in the same unit (multiply-adds per token); `stage_costs` sums
+    them per stage."""
 
     layer: float
     embedding: float = 0.0
     head: float = 0.0
 
     def __post_init__(self):
-        check_positive("StageCosts.layer", self.layer)
-        check_nonnegative("StageCosts.embedding", self.embedding)
-        check_nonnegative("StageCosts.head", self.head)
+        check_positive("ModelCosts.layer", self.layer)
+        check_nonnegative("ModelCosts.embedding", self.embedding)
+        check_nonnegative("ModelCosts.head", self.head)
 
 
-def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
+def estimate_costs(config, seq_len: int = 2048) -> ModelCosts:
     """Multiply-adds per token of a decoder layer, the embedding and the LM head.
 
     A layer costs its matmul weights plus attention over `seq_len` positions; the head costs
@@ -39,7 +40,7 @@ def estimate_costs(config, seq_len: int = 2048) -> StageCosts:
     mlp_weights = 3 * hidden * _size(config, "intermediate_size")  # gate, up, down
     attention_scores = 2 * heads * head_dim * seq_len // 2  # QK^T and AV, causal half
     layer = attention_weights + mlp_weights + attention_scores
-    return StageCosts(layer=float(layer), embedding=float(hidden), head=float(hidden * _size(config, "vocab_size")))
+    return ModelCosts(layer=float(layer), embedding=float(hidden), head=float(hidden * _size(config, "vocab_size")))
 
 
 def _size(config, name: str) -> int:
@@ -49,7 +50,7 @@ def _size(config, name: str) -> int:
                      hint=" (the model config's sizes set the cost of each stage)")
 
 
-def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | None = None) -> list[int]:
+def balanced_layer_counts(num_layers: int, num_stages: int, costs: ModelCosts | None = None) -> list[int]:
     """Layers per stage, contiguous, each stage >= 1 layer, minimising the costliest stage.
 
     Stage 0 also pays `costs.embedding` and the last stage `costs.head`; without costs, the even
@@ -60,8 +61,8 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     can have: a fraction of a second at hundreds of stages.
     """
     num_layers, num_stages = _check_stage_count(num_layers, num_stages)
-    if costs is not None and not isinstance(costs, StageCosts):
-        raise TypeError(f"costs must be a StageCosts (see estimate_costs), got {costs!r:.100}")
+    if costs is not None and not isinstance(costs, ModelCosts):
+        raise TypeError(f"costs must be a ModelCosts (see estimate_costs), got {costs!r:.100}")
     if costs is None:  # the even split: earlier stages take the remainder
         return [num_layers // num_stages + (stage < num_layers % num_stages) for stage in range(num_stages)]
 
@@ -91,7 +92,7 @@ def balanced_layer_counts(num_layers: int, num_stages: int, costs: StageCosts | 
     return list(best[num_layers][1])
 
 
-def _least_costliest_stage(num_layers: int, num_stages: int, costs: StageCosts, unit: float) -> float:
+def _least_costliest_stage(num_layers: int, num_stages: int, costs: ModelCosts, unit: float) -> float:
     """The smallest cost of a split's costliest stage: the least stage cost at which the stages, each taking
     as many layers as keep it within it (at least one), hold them all. Binary search over the stage costs."""
     candidates = sorted({_stage_cost(n, stage, num_stages, costs, unit)
@@ -106,7 +107,7 @@ def _least_costliest_stage(num_layers: int, num_stages: int, costs: StageCosts, 
     return candidates[low]
 
 
-def _caps(limit: float, num_layers: int, num_stages: int, costs: StageCosts, unit: float) -> list[int]:
+def _caps(limit: float, num_layers: int, num_stages: int, costs: ModelCosts, unit: float) -> list[int]:
     """The most layers each stage can take at a cost of at most `limit` (at least one, so that every stage has
     one), from its cost by `_stage_cost` itself, so the bounds are exactly those of the costs compared."""
     caps = []
@@ -122,12 +123,12 @@ def _caps(limit: float, num_layers: int, num_stages: int, costs: StageCosts, uni
     return caps
 
 
-def stage_costs(layer_counts: list[int], costs: StageCosts) -> list[float]:
+def stage_costs(layer_counts: list[int], costs: ModelCosts) -> list[float]:
     """The estimated cost of each stage of a split (its layers, plus the embedding or head it holds)."""
     return [_stage_cost(count, stage, len(layer_counts), costs) for stage, count in enumerate(layer_counts)]
 
 
-def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: StageCosts, unit: float = 1.0) -> float:
+def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: ModelCosts, unit: float = 1.0) -> float:
     cost = num_layers * (costs.layer / unit)
     if stage == 0:
         cost += costs.embedding / unit

@@ -21,7 +21,7 @@ from .batch import differences
 from .checkpoint import load_checkpoint, published, read_extra, save_checkpoint
 from .comm import PipeComm
 from .config import CONFIG_FILE, Config, ConfigError, as_config_error, settings, to_toml
-from .config_checks import llama_config, validate
+from .config_checks import check_config, llama_config
 from .data import TokenBatches, eval_batches, prepare_data
 from .export import EXPORT_DIR, check_replaceable, hf_config_dict, keep_run_tokenizer
 from .hf_weights import check_hf_weights, load_hf_buffers, load_hf_weights
@@ -160,7 +160,7 @@ class Trainer:
         """Check the settings and the files they name, before any long work; return the checkpoint to
         resume from (None: step 0). Every rank checks: each node may see other files."""
         cfg = self.cfg
-        validate(cfg, world_size())
+        check_config(cfg, world_size())
         try:  # every rank writes its checkpoint shards there: found now, not after the data is prepared
             self.run_dir.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=self.run_dir).close()

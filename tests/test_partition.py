@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline_parallel import StageCosts, balanced_layer_counts, estimate_costs
+from pipeline_parallel import ModelCosts, balanced_layer_counts, estimate_costs
 from pipeline_parallel.models import LlamaConfig
 from pipeline_parallel.partition import check_layer_counts
 
@@ -81,10 +81,10 @@ def test_estimate_costs_on_hf_config():
 
 
 @pytest.mark.parametrize("costs", [
-    StageCosts(layer=1.0, embedding=0.1, head=3.0),
-    StageCosts(layer=2.0, embedding=5.0, head=0.0),
-    StageCosts(layer=1.0, embedding=0.0, head=100.0),
-    StageCosts(layer=3.0, embedding=1.0, head=7.5),
+    ModelCosts(layer=1.0, embedding=0.1, head=3.0),
+    ModelCosts(layer=2.0, embedding=5.0, head=0.0),
+    ModelCosts(layer=1.0, embedding=0.0, head=100.0),
+    ModelCosts(layer=3.0, embedding=1.0, head=7.5),
 ])
 def test_cost_aware_split_minimises_the_costliest_stage_then_the_next(costs):
     """Brute force over every split: the costliest stage as cheap as can be, then the next costliest, and so on."""
@@ -97,8 +97,8 @@ def test_cost_aware_split_minimises_the_costliest_stage_then_the_next(costs):
 
 
 @pytest.mark.parametrize("costs, expected", [
-    (StageCosts(layer=1.0, head=1e9), [3, 2, 1]), (StageCosts(layer=1.0, head=1e300), [3, 2, 1]),
-    (StageCosts(layer=1.0, embedding=1e300), [1, 3, 2]), (StageCosts(layer=1.0, embedding=1e300, head=1e300), [1, 4, 1]),
+    (ModelCosts(layer=1.0, head=1e9), [3, 2, 1]), (ModelCosts(layer=1.0, head=1e300), [3, 2, 1]),
+    (ModelCosts(layer=1.0, embedding=1e300), [1, 3, 2]), (ModelCosts(layer=1.0, embedding=1e300, head=1e300), [1, 4, 1]),
 ])
 def test_huge_ends_still_leave_one_layer_per_stage(costs, expected):
     """Also where a layer more or less on the head's (or embedding's) stage is lost in rounding (1e300 + 1 ==
@@ -107,12 +107,12 @@ def test_huge_ends_still_leave_one_layer_per_stage(costs, expected):
 
 
 @pytest.mark.parametrize("costs", [
-    StageCosts(layer=1e308, embedding=1e308, head=1e308), StageCosts(layer=1e308), StageCosts(layer=1e308, head=1e308),
+    ModelCosts(layer=1e308, embedding=1e308, head=1e308), ModelCosts(layer=1e308), ModelCosts(layer=1e308, head=1e308),
 ])
 def test_costs_whose_sums_overflow_still_give_the_balanced_split(costs):
     """Costs near the float maximum summed to inf: every split looked equally unreachable, and the
     result was [] (no stage) or an arbitrary split instead of the one of the same costs scaled down."""
-    scaled = StageCosts(layer=costs.layer / 1e300, embedding=costs.embedding / 1e300, head=costs.head / 1e300)
+    scaled = ModelCosts(layer=costs.layer / 1e300, embedding=costs.embedding / 1e300, head=costs.head / 1e300)
     assert balanced_layer_counts(8, 4, costs) == balanced_layer_counts(8, 4, scaled)
 
 
@@ -121,7 +121,7 @@ def test_more_stages_than_layers_is_a_clear_error(layers, stages):
     with pytest.raises(ValueError, match=rf"cannot split {layers} decoder layers? into {stages}.*at most {layers} ranks?"):
         balanced_layer_counts(layers, stages)
     with pytest.raises(ValueError, match="at least one layer"):
-        balanced_layer_counts(layers, stages, StageCosts(layer=1.0, head=5.0))
+        balanced_layer_counts(layers, stages, ModelCosts(layer=1.0, head=5.0))
 
 
 def test_zero_stages_is_an_error():
@@ -176,11 +176,11 @@ def test_check_layer_counts_errors(counts, layers, stages, message):
 @pytest.mark.parametrize("call, error", [
     (lambda: balanced_layer_counts(8.5, 2), r"num_layers must be an integer >= 1, got 8\.5"),
     (lambda: balanced_layer_counts(0, 1), r"num_layers must be an integer >= 1, got 0"),
-    (lambda: StageCosts(layer=float("inf")), r"StageCosts\.layer must be a finite number > 0, got inf"),
-    (lambda: StageCosts(layer=float("nan")), r"StageCosts\.layer must be a finite number > 0, got nan"),
-    (lambda: StageCosts(layer=-1.0), r"StageCosts\.layer must be a finite number > 0, got -1\.0"),
-    (lambda: StageCosts(layer=1.0, head=-2.0), r"StageCosts\.head must be a finite number >= 0, got -2\.0"),
-    (lambda: balanced_layer_counts(8, 2, [1.0, 0.0, 0.0]), r"costs must be a StageCosts \(see estimate_costs\)"),
+    (lambda: ModelCosts(layer=float("inf")), r"ModelCosts\.layer must be a finite number > 0, got inf"),
+    (lambda: ModelCosts(layer=float("nan")), r"ModelCosts\.layer must be a finite number > 0, got nan"),
+    (lambda: ModelCosts(layer=-1.0), r"ModelCosts\.layer must be a finite number > 0, got -1\.0"),
+    (lambda: ModelCosts(layer=1.0, head=-2.0), r"ModelCosts\.head must be a finite number >= 0, got -2\.0"),
+    (lambda: balanced_layer_counts(8, 2, [1.0, 0.0, 0.0]), r"costs must be a ModelCosts \(see estimate_costs\)"),
 ])
 def test_bad_arguments_of_the_split_are_clear_errors(call, error):
     """A float layer count gave float counts that summed to more layers; an infinite layer cost gave no split."""
@@ -205,9 +205,9 @@ def test_estimate_costs_counts_each_matmul_of_a_layer():
     attention_weights = 64 * 32 * (4 + 4 + 2 + 2)  # q, o: 4 heads of 32; k, v: 2 heads of 32
     mlp_weights = 3 * 64 * 128  # gate, up, down
     attention_scores = (4 * 32 * 16 + 4 * 32 * 16) // 2  # QK^T and AV over 16 positions, the causal half
-    assert costs == StageCosts(layer=attention_weights + mlp_weights + attention_scores, embedding=64, head=64 * 100)
+    assert costs == ModelCosts(layer=attention_weights + mlp_weights + attention_scores, embedding=64, head=64 * 100)
     longer = estimate_costs(config, seq_len=48)  # attention scores grow with the length, the weights do not
-    assert longer == StageCosts(layer=costs.layer + 3 * attention_scores - attention_scores, embedding=64, head=6400)
+    assert longer == ModelCosts(layer=costs.layer + 3 * attention_scores - attention_scores, embedding=64, head=6400)
 
 
 @pytest.mark.parametrize("layers, stages, expected", [
@@ -218,7 +218,7 @@ def test_cost_balanced_ties_go_to_the_larger_earlier_stages(layers, stages, expe
     """Equal layers and free ends give the even split: of the splits with the same costliest stage, the one whose
     next costliest is cheapest ([3, 2, 2], not [3, 3, 1]), then the earlier stages take the extra layers, so the
     head's stage keeps the fewest."""
-    assert balanced_layer_counts(layers, stages, StageCosts(layer=1.0)) == expected
+    assert balanced_layer_counts(layers, stages, ModelCosts(layer=1.0)) == expected
 
 
 

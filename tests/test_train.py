@@ -33,7 +33,7 @@ from pipeline_parallel import checkpoint as ckpt
 from pipeline_parallel._dir_lock import lock_dir, unlock_dir
 from pipeline_parallel.bpe import train_bpe
 from pipeline_parallel.config import KEYS, ConfigError, OptimConfig, load_config, parse_args, to_toml, with_overrides
-from pipeline_parallel.config_checks import validate
+from pipeline_parallel.config_checks import check_config
 from pipeline_parallel.data import prepare_data
 from pipeline_parallel.export import load_full_model
 from pipeline_parallel.launch import Interrupted, stop_asked, stop_signals_raise
@@ -137,29 +137,29 @@ def test_config_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="'optim.lr' must be a finite number of float32's range .*, got inf"):
         load_config(toml)
     cfg = make_cfg(tmp_path, corpus)
-    validate(cfg, 4)
+    check_config(cfg, 4)
     # In float32's range but not once AdamW's first step divides it by 1 - beta1: a traceback from the optimizer.
     with pytest.raises(ConfigError, match=r"optim.lr 1e\+38 is too large: AdamW's first step moves by up to "
                                           r"lr / \(1 - optim.beta1\) = 1e\+39, beyond float32's range"):
-        validate(with_overrides(cfg, **{"optim.lr": 1e38, "optim.min_lr": 0.0}), 4)
+        check_config(with_overrides(cfg, **{"optim.lr": 1e38, "optim.min_lr": 0.0}), 4)
     with pytest.raises(ConfigError, match="the number of ranks: cannot split 4 decoder layers into 5 pipeline stages"):
-        validate(cfg, 5)
+        check_config(cfg, 5)
     with pytest.raises(ConfigError, match="batch_size 6 is not divisible by pipeline.num_microbatches 4"):
-        validate(with_overrides(cfg, **{"train.batch_size": 6}), 2)
+        check_config(with_overrides(cfg, **{"train.batch_size": 6}), 2)
     with pytest.raises(ConfigError, match="layer_counts"):
-        validate(with_overrides(cfg, **{"pipeline.layer_counts": [3, 2]}), 2)
+        check_config(with_overrides(cfg, **{"pipeline.layer_counts": [3, 2]}), 2)
     with pytest.raises(ConfigError, match="must be >= 1"):
-        validate(with_overrides(cfg, **{"train.max_steps": 0}), 1)
+        check_config(with_overrides(cfg, **{"train.max_steps": 0}), 1)
     # The default decay ends at max_steps: a run shorter than its warmup never reached the lr, nor min_lr.
     with pytest.raises(ConfigError, match=r"train.max_steps 2 ends within optim.warmup_steps 2: the learning rate "
                                           r"would reach optim.lr at the last step at best and never decay to "
                                           r"optim.min_lr; set optim.warmup_steps below 2 \(0: none\)"):
-        validate(with_overrides(cfg, **{"train.max_steps": 2, "optim.lr_decay_steps": 0}), 1)
-    validate(with_overrides(cfg, **{"train.max_steps": 3, "optim.lr_decay_steps": 0}), 1)
+        check_config(with_overrides(cfg, **{"train.max_steps": 2, "optim.lr_decay_steps": 0}), 1)
+    check_config(with_overrides(cfg, **{"train.max_steps": 3, "optim.lr_decay_steps": 0}), 1)
     # A model smaller than the tokenizer: up front when the run trains the tokenizer, else once it is read.
     with pytest.raises(ConfigError, match=r"model.vocab_size 300 is below data.vocab_size 320, the size of the "
                                           r"tokenizer trained for the run, .*: raise model.vocab_size"):
-        validate(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 300}), 1)
+        check_config(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 300}), 1)
     with pytest.raises(ConfigError, match=r"the tokenizer has 320 tokens but model.vocab_size is 300, so some token "
                                           r"IDs would have no embedding row: .* or leave model.vocab_size unset"):
         Trainer(with_overrides(cfg, **{"model.vocab_size": 300}))
@@ -191,24 +191,24 @@ def test_config_errors(tmp_path, corpus):
                                 ("data.path", ["a.txt", " "], r"data.path .* has an empty entry .* leave data.path out "
                                                              r"to train on the Python standard library")):
         with pytest.raises(ConfigError, match=message):
-            validate(with_overrides(cfg, **{key: value}), 1)
+            check_config(with_overrides(cfg, **{key: value}), 1)
     # The bounds themselves are settings that work: a constant lr, a model exactly the tokenizer's size.
-    validate(with_overrides(cfg, **{"optim.min_lr": cfg.optim.lr}), 1)
-    validate(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 320}), 1)
+    check_config(with_overrides(cfg, **{"optim.min_lr": cfg.optim.lr}), 1)
+    check_config(with_overrides(cfg, **{"data.tokenizer": "", "data.vocab_size": 320, "model.vocab_size": 320}), 1)
     # With hf_model the shape is the model's own: a preset, like any model.* key, would be ignored.
     import transformers
 
     transformers.LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "hf")
     from_hf = with_overrides(load_config(), hf_model=str(tmp_path / "hf"))
-    validate(from_hf, 2)
+    check_config(from_hf, 2)
     for key, value in (("model.preset", "small"), ("model.hidden_size", 64)):
         with pytest.raises(ConfigError, match=rf"{key} cannot be set with hf_model: its shape comes from its config"):
-            validate(with_overrides(from_hf, **{key: value}), 2)
+            check_config(with_overrides(from_hf, **{key: value}), 2)
     # Its context bounds the sequence length as our Llama's does (it used to be accepted silently).
     transformers.LlamaConfig(num_hidden_layers=2, max_position_embeddings=64).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"data.seq_len 128 exceeds the max_position_embeddings 64 of hf_model"):
-        validate(from_hf, 2)
-    validate(with_overrides(from_hf, **{"data.seq_len": 64}), 2)  # the whole context is a sequence it takes
+        check_config(from_hf, 2)
+    check_config(with_overrides(from_hf, **{"data.seq_len": 64}), 2)  # the whole context is a sequence it takes
     # A config.json that says no number of layers, or is no JSON object, is named (they raised KeyError and
     # JSONDecodeError): GPT-2's counts its layers as n_layer.
     config_json = tmp_path / "hf" / "config.json"
@@ -223,7 +223,7 @@ def test_config_errors(tmp_path, corpus):
                             for layers, shown in (('"2"', "'2'"), ("2.0", "2.0"), ("true", "True")))):
         config_json.write_text(text)
         with pytest.raises(ConfigError, match=message):
-            validate(from_hf, 2)
+            check_config(from_hf, 2)
 
 
 def test_config_file_overrides_and_round_trip(tmp_path):
@@ -249,7 +249,7 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     # A key's value is the next argument whatever it looks like: "-h" used to print the help instead.
     cfg = parse_args(["--export.prompt", "-h", "--resume", "--data.path", "--notes.txt", "--config=" + str(toml)])
     assert (cfg.export.prompt, cfg.resume, cfg.data.path, cfg.run_dir) == ("-h", "latest", ["--notes.txt"], "r")
-    # An empty path stays one, for validate to refuse (an unset $DATA trained on the standard library); an empty list
+    # An empty path stays one, for check_config to refuse (an unset $DATA trained on the standard library); an empty list
     # of numbers is the default.
     cfg = parse_args(["--data.path", "", "--pipeline.layer-counts", ""])
     assert (cfg.data.path, cfg.pipeline.layer_counts) == ([""], [])
@@ -386,7 +386,7 @@ def test_a_process_that_let_go_of_its_run_directory_holds_it_again_for_its_next_
 
 def test_configs_and_docs_cover_every_key():
     for toml in sorted((ROOT / "configs").glob("*.toml")):
-        validate(load_config(toml), 2)
+        check_config(load_config(toml), 2)
     docs = (ROOT / "README.md").read_text()
     assert [key for key in KEYS if f"`{key}`" not in docs] == []
 
@@ -529,9 +529,9 @@ def _main_where_rank_1_misses_a_file(rank, world_size, run_dir):
     if rank == 1:  # as on a node that does not see the directory: only this rank's checks fail
         import pipeline_parallel.trainer as trainer
 
-        def validate(cfg, world_size):
+        def check_config(cfg, world_size):
             raise ConfigError("hf_model /models/mine is not a directory")
-        trainer.validate = validate
+        trainer.check_config = check_config
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_info:
         main(["--run-dir", run_dir, "--train.max_steps", "4", "--optim.warmup_steps", "2"])
@@ -777,11 +777,11 @@ def test_bad_data_and_resume_paths_are_config_errors_on_every_rank(runs, corpus,
         assert messages[0] == messages[1]
         assert re.search(message, messages[0]), messages[0]
     with pytest.raises(ConfigError, match="is a run directory: give it as run_dir with resume = latest"):
-        validate(make_cfg(tmp_path / "new", corpus, resume=str(runs[0])), 2)
+        check_config(make_cfg(tmp_path / "new", corpus, resume=str(runs[0])), 2)
     half_written = runs[0] / "checkpoints" / "step_000006.tmp"
     half_written.mkdir()
     with pytest.raises(ConfigError, match="a complete checkpoint directory"):
-        validate(make_cfg(tmp_path / "new", corpus, resume=str(half_written)), 2)
+        check_config(make_cfg(tmp_path / "new", corpus, resume=str(half_written)), 2)
     half_written.rmdir()
     (tmp_path / "new" / "export").mkdir(parents=True)
     (tmp_path / "new" / "export" / "notes.txt").write_text("mine")
@@ -1682,7 +1682,7 @@ def test_optimizer_settings_out_of_range_are_config_errors(corpus, tmp_path, cha
     (a negative lr), and a beta of 1 failed in AdamW's constructor with a traceback on every rank, once the data
     was prepared. They are config errors, before anything is read."""
     with pytest.raises(ConfigError, match=message):
-        validate(make_cfg(tmp_path, corpus, **changes), 2)
+        check_config(make_cfg(tmp_path, corpus, **changes), 2)
 
 
 def test_a_run_with_export_at_end_off_exports_nothing(runs):
@@ -1696,8 +1696,8 @@ def test_sequences_longer_than_the_model_s_context_are_a_config_error(corpus, tm
     """Only the --hf-model bound was tested: our Llama trained on sequences past its max_position_embeddings without
     a word, and its export claimed a context shorter than it was trained on."""
     with pytest.raises(ConfigError, match=r"data.seq_len 65 exceeds model.max_position_embeddings 64"):
-        validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 65}), 2)
-    validate(make_cfg(tmp_path, corpus, **{"data.seq_len": 64}), 2)
+        check_config(make_cfg(tmp_path, corpus, **{"data.seq_len": 65}), 2)
+    check_config(make_cfg(tmp_path, corpus, **{"data.seq_len": 64}), 2)
 
 
 def test_weight_decay_takes_our_llama_s_linear_and_embedding_matrices_and_leaves_its_norms():
