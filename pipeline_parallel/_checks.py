@@ -1,4 +1,5 @@
-"""Argument checks shared by the public entry points, so each bad value gets one kind of message."""
+"""Argument checks shared by the public entry points, so each bad value gets one kind of message; and the text
+helpers those messages share (`plural`, the UTF-8 checks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Checks a step's batch on the ranks that hold it and makes every rank agree before any transfer."""
+"""The ranks agree before any transfer: on their settings (`Pipeline()`, `clip_grad_norm_`), on a step's batch, which
+the ranks that hold it check, and on any rank's error, which every rank then raises alike."""
 
 from __future__ import annotations
 

@@ -85,8 +85,8 @@ def _refuse_another_run(cfg: Config, path: Path) -> None:
     except (OSError, ConfigError):  # no record (an older run), or one this version cannot read: not compared
         return
     then, now = _as_built(then), _as_built(settings(cfg))
-    differ = [f"{key} {then[key]!r} there, {now[key]!r} now" for key in now
-              if key.startswith(("model.", "data.")) or key in ("hf_model", "seed") if then[key] != now[key]]
+    defines_run = [key for key in now if key.startswith(("model.", "data.")) or key in ("hf_model", "seed")]
+    differ = [f"{key} {then[key]!r} there, {now[key]!r} now" for key in defines_run if then[key] != now[key]]
     if differ:
         raise ConfigError(f"the run in {cfg.run_dir} is complete ({path.name}, train.max_steps {cfg.train.max_steps}), "
                           f"and it was started with other settings ({'; '.join(differ)}): nothing was changed. "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -202,18 +203,6 @@ def _cut(read: Callable[[int], str], max_chars: int) -> Iterator[tuple[str, bool
     yield buffer, True
 
 
-def _reader(text: str) -> Callable[[int], str]:
-    position = 0
-
-    def read(n: int) -> str:
-        nonlocal position
-        piece = text[position : position + n]
-        position += len(piece)
-        return piece
-
-    return read
-
-
 def _text_read(f, path: Path) -> Callable[[int], str]:
     """`f.read`, refusing a file that starts as no text does, with a NUL character (compressed, binary or
     UTF-16 data, which UTF-8 decoding with replacement would turn into garbage to train on)."""
@@ -261,7 +250,7 @@ def iter_pieces(sources: Iterable[Source], text_field: str = "text",
                 yield from _without_blank_start(_cut(_text_read(f, src), max_chars))
             continue
         for doc in docs:
-            yield from _without_blank_start(_cut(_reader(doc), max_chars))
+            yield from _without_blank_start(_cut(io.StringIO(doc).read, max_chars))
 
 
 def source_key(sources: list[Source], text_field: str) -> dict:
