@@ -27,7 +27,7 @@ def usable_device(device) -> tuple[torch.device, str | None]:
     return torch.device(device), None
 
 
-def device_backends(group) -> dict[str, str]:
+def _device_backends(group) -> dict[str, str]:
     """The backend that carries each device type's tensors in `group`, such as {"cpu": "gloo", "cuda": "nccl"}.
 
     `dist.get_backend` names a group as it was asked for: "undefined" for `init_process_group()`
@@ -61,7 +61,7 @@ class PipeComm:
         # Posting a receive early overlaps the transfer with compute on gloo, whose transfers are
         # independent. NCCL runs a pair's transfers in order on one stream and a batch completes
         # as a whole, so an early receive can block the sends queued behind it: post just in time.
-        self.prefetch_receives = device_backends(self.group).get(self.device.type) == "gloo"
+        self.prefetch_receives = _device_backends(self.group).get(self.device.type) == "gloo"
 
     def check_in_step(self) -> None:
         """Refuse to communicate once a step stopped in the middle of its transfers (an interrupt, a failed

@@ -20,7 +20,7 @@ from .schedules import build_schedule
 _MAX_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
 
 
-def num_layers(cfg: Config) -> int:
+def _num_layers(cfg: Config) -> int:
     """Decoder layers of the model the config describes (read from --hf-model's config.json)."""
     if cfg.hf_model:
         layers = _hf_config(cfg).get("num_hidden_layers")
@@ -131,7 +131,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     else:
         seq_max = llama_config(cfg, vocab_size=cfg.model.vocab_size or 256).max_position_embeddings
         check(d.seq_len <= seq_max, f"data.seq_len {d.seq_len} exceeds model.max_position_embeddings {seq_max}")
-    layers = num_layers(cfg)
+    layers = _num_layers(cfg)
     with as_config_error("pipeline.layer_counts" if p.layer_counts else "the number of ranks"):
         if p.layer_counts:
             check_layer_counts(p.layer_counts, layers, world_size)

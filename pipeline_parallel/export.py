@@ -69,7 +69,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def run_tokenizer(checkpoint: Path) -> Tokenizer:
+def _run_tokenizer(checkpoint: Path) -> Tokenizer:
     """The tokenizer `checkpoint` was trained with, from its run directory: the user's copy in
     run_dir/tokenizer, else the one trained there. One that is not what the checkpoint recorded is refused."""
     run_dir = checkpoint.parent.parent
@@ -110,7 +110,7 @@ def _checked(tokenizer: Tokenizer, record: dict, what: str, made: str, whose: st
 
 
 def keep_run_tokenizer(run_dir: str | Path, given: Tokenizer | None) -> None:
-    """Make the `run_tokenizer` of run_dir's checkpoints this run's: a copy of the `given` tokenizer, or
+    """Make the `_run_tokenizer` of run_dir's checkpoints this run's: a copy of the `given` tokenizer, or
     (None) the one trained there.
 
     A copy an earlier start kept is replaced, not left to be exported in place of this run's
@@ -135,7 +135,7 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
     Under torch.distributed, pass a process group holding only this rank.
     """
     checkpoint = resolve_checkpoint(path)
-    tokenizer = run_tokenizer(checkpoint)  # found missing or replaced now, not after loading the model
+    tokenizer = _run_tokenizer(checkpoint)  # found missing or replaced now, not after loading the model
     config = hf_config(read_extra(checkpoint)["model_config"])
     model = hf_model_on_meta(config)
     materialize(model, torch.device("cpu"), init_weights=False)  # the buffers no checkpoint holds
@@ -158,7 +158,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     failure leaves nothing behind). An existing `out_dir` is replaced only if it is empty or a
     Hugging Face model (an earlier export); a link to a directory is followed, so it stays a link.
     """
-    check_dtype(dtype)
+    _check_dtype(dtype)
     check_replaceable(Path(out_dir), source)  # again, as the directory may have changed during a long load
     out_dir = Path(os.path.abspath(out_dir))  # named, where the user's was '..'
     if out_dir.is_symlink() and out_dir.is_dir():
@@ -228,7 +228,7 @@ def _keeps_special_tokens(config, source: Path) -> bool:
         saved.get(key) == getattr(config, key, None) for key in ("bos_token_id", "eos_token_id"))
 
 
-def check_dtype(dtype: str) -> None:
+def _check_dtype(dtype: str) -> None:
     """Refuse a dtype the export has no name for: it would fail as a KeyError once the model is loaded."""
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, sorted(DTYPES)))}, got {dtype!r}")
@@ -308,7 +308,7 @@ def _export_metadata(out_dir: Path) -> dict | None:
 
 def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp32", group=None):
     """Export a run's latest checkpoint (or a given one) as a Hugging Face model; returns (dir, model, tokenizer)."""
-    check_dtype(dtype)  # before the (long) load, not after it
+    _check_dtype(dtype)  # before the (long) load, not after it
     checkpoint = resolve_checkpoint(path)
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
     source = read_extra(checkpoint).get("hf_model")

@@ -32,7 +32,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, Tokenizer]:
     return load_full_model(path)
 
 
-def check_prompt(prompt: str) -> None:
+def _check_prompt(prompt: str) -> None:
     """Refuse a prompt no tokenizer takes: bytes typed in another encoding (surrogate escapes)."""
     if not is_utf8(prompt):
         raise ValueError("prompt is not valid UTF-8 text (typed in another encoding?); give it in UTF-8")
@@ -47,7 +47,7 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str = "", max_new_tok
     decoded alone, they would lose what their joint with the prompt makes, such as the space
     a SentencePiece decoder strips from the start of a text ("Hello" + "▁world").
     """
-    check_prompt(prompt)
+    _check_prompt(prompt)
     # Checked here, not left to torch: a float top_k or a seed beyond 64 bits failed in torch.topk or manual_seed
     # (generate checks max_new_tokens and temperature; its top_k takes None, not 0, for all tokens).
     if top_k is not None:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.seed + args.num_samples > 2**63:  # sample i takes seed + i; torch's generators take less than 2**63
         parser.error(f"--seed must be below 2**63 - --num-samples, got {args.seed}")
     try:
-        check_prompt(args.prompt)  # before the model loads
+        _check_prompt(args.prompt)  # before the model loads
     except ValueError as e:
         parser.error(f"--{e}")
     try:

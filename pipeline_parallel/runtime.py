@@ -33,7 +33,7 @@ class StepData:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
-def run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData,
+def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: PipeComm, step: StepData,
                 send_releases: dict[Action, tuple[Action, ...]] | None = None) -> Exception | None:
     """Run `program` (this rank's lowered actions) for one step.
 
@@ -242,7 +242,7 @@ def run_step(
     if tied:
         tied_weight.grad = None  # this step's part alone is exchanged
     try:
-        error = run_program(program, stages, comm, step, send_releases)
+        error = _run_program(program, stages, comm, step, send_releases)
         if tied:
             this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
             if this_step.is_sparse:  # an embedding made sparse: sent, and added to the head's, dense

@@ -122,7 +122,7 @@ def write_tokens(pieces: Iterable[tuple[str, bool]], tokenizer: Tokenizer, path:
     recorded (hash and token count) beside it, so a cache cut short since is found; the temporary
     files of killed runs on this host are removed (they can be gigabytes).
     """
-    dtype = token_dtype(tokenizer)
+    dtype = _token_dtype(tokenizer)
     _remove_killed_partials(path.parent)
     tmp = temporary_path(path)
     before, after = tokenizer.document_ends
@@ -181,7 +181,7 @@ def _running(pid: int) -> bool:
     return True
 
 
-def token_dtype(tokenizer: Tokenizer) -> type:
+def _token_dtype(tokenizer: Tokenizer) -> type:
     """uint16 when every id fits (vocab <= 65536), else uint32: halves the cache size."""
     return np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
 
@@ -200,7 +200,7 @@ def cached_tokens(
         raise ValueError(f"max_tokens must be positive or None (no cap), got {max_tokens}")
     key = {"version": CACHE_VERSION, "source": source_key, "max_tokens": max_tokens, "tokenizer": tokenizer.fingerprint()}
     digest = json_hash(key)[:16]
-    dtype = token_dtype(tokenizer)
+    dtype = _token_dtype(tokenizer)
     path = Path(run_dir) / CACHE_PATTERN.replace("*", f"{digest}.{np.dtype(dtype).name}")
     damage = _damage(path, dtype) if path.is_file() else None
     if damage:

@@ -261,7 +261,7 @@ class Trainer:
         self.optimizer.step()
         self.pipe.zero_grad()
         self.step += 1
-        self.tokens += accum_tokens(cfg)
+        self.tokens += _accum_tokens(cfg)
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
 
     def measured_idle_fraction(self) -> float:
@@ -354,7 +354,7 @@ class Trainer:
             start = time.perf_counter()
             record = self.train_step()
             timed_seconds += time.perf_counter() - start
-            timed_tokens += accum_tokens(cfg)
+            timed_tokens += _accum_tokens(cfg)
             last = self.step == max_steps
             if self.step % cfg.log.interval == 0 or last:
                 rate, idle = timed_tokens / timed_seconds, self.measured_idle_fraction()
@@ -398,6 +398,6 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def accum_tokens(cfg: Config) -> int:
+def _accum_tokens(cfg: Config) -> int:
     """Tokens trained on in one optimizer step."""
     return cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.data.seq_len
