@@ -19,6 +19,7 @@ class BatchInfo:
     batch_size: int
     seq_len: int
     num_target_tokens: int  # labels that are not IGNORE_INDEX, over the whole batch
+    facts: tuple = ()  # each rank's `facts`, indexed by rank
 
 
 def fingerprint(**settings) -> dict[str, int]:
@@ -70,15 +71,17 @@ def agree_on_batch(
     settings: dict[str, int],
     local_error: str | Exception | None = None,
     details: dict[str, dict] | None = None,
+    facts: list[int] = (),
 ) -> BatchInfo:
     """Check the batch where it is held, then share the facts so every rank raises the same error.
 
     `input_ids` is given on the first stage and `labels` on the last (None elsewhere). One small
-    all-gather carries each rank's shapes, target count, settings checksums and an error flag;
-    no rank can wait on a peer that has already given up, so bad input never hangs. `call` names
-    what the user called (see `_gather_checked`).
+    all-gather carries each rank's shapes, target count, settings checksums and an error flag, and
+    the caller's `facts` (ints, as many on every rank); no rank can wait on a peer that has already
+    given up, so bad input never hangs. `call` names what the user called (see `_gather_checked`).
     """
     error = local_error
+    extra = list(facts)
     facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
     try:
         if error is None and input_ids is not None:
@@ -92,7 +95,7 @@ def agree_on_batch(
     except Exception as e:  # a tensor the checks cannot read: raised on every rank below, not here alone
         error = ValueError(f"the batch could not be checked ({type(e).__name__}: {e}); pass input_ids and labels "
                            "as plain dense tensors of token IDs")
-    rows = _gather_checked(comm, call, error, facts, settings, details)
+    rows = _gather_checked(comm, call, error, facts + extra, settings, details)
     inputs = [row[0:2] for row in rows if row[0] >= 0]
     targets = [row[2:5] for row in rows if row[2] >= 0]
     if not inputs or not targets:
@@ -108,12 +111,13 @@ def agree_on_batch(
             f"a batch of {batch_size} sequences does not split into {num_microbatches} equal microbatches; "
             f"use a batch size that is a multiple of num_microbatches"
         )
-    return BatchInfo(batch_size, seq_len, num_targets)
+    return BatchInfo(batch_size, seq_len, num_targets, tuple(tuple(row[5:]) for row in rows))
 
 
 _HINTS = {
     "tied_embedding": "model.lm_head.weight is model.model.embed_tokens.weight on some ranks only; tie them on "
                       "every rank (model.tie_weights()) or on none",
+    "pipeline": "the ranks called different Pipelines; every rank must call the Pipeline it built with the others",
     "max_norm": "every rank must call clip_grad_norm_ with the same max_norm",
     "norm_type": "every rank must call clip_grad_norm_ with the same norm_type",
 }
@@ -179,8 +183,18 @@ def differences(by_rank: list[dict]) -> str:
 
 
 def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:
-    """Raise the first failing rank's error on every rank (a TypeError stays a TypeError)."""
-    local = None if error is None else (type(error).__name__ == "TypeError", str(error))
-    is_type_error, message = comm.all_gather_object(local)[failed[0]]
+    """Raise the first failing rank's error on every rank: a check's (a message, a TypeError or a ValueError) as
+    itself; another (out of memory, say) as it is where it happened and as a RuntimeError naming it elsewhere."""
+    if error is None:
+        local = None
+    elif isinstance(error, TypeError):
+        local = ("TypeError", str(error))
+    elif isinstance(error, (str, ValueError)):
+        local = ("ValueError", str(error))
+    else:
+        local = ("other", f"{type(error).__name__}: {error}")
+    kind, message = comm.all_gather_object(local)[failed[0]]
+    if kind == "other" and comm.pp_rank == failed[0]:
+        raise error
     prefix = "" if comm.pp_size == 1 else f"pipeline rank {failed[0]}: "
-    raise (TypeError if is_type_error else ValueError)(prefix + message)
+    raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(prefix + message)

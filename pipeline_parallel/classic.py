@@ -59,7 +59,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
         error = error or _dtype_error(dtype) or _microbatches_error(inputs, targets) or inference_mode_error()
         if error is None:
             input_ids, labels = torch.cat(list(inputs)), torch.cat(list(targets))
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # any: raised here alone, it would leave the other ranks waiting
         error = e
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
@@ -90,9 +90,9 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
 
 
 def _dtype_error(dtype) -> str | None:
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return (f"dtype must be a floating-point torch.dtype for the hidden states and gradients, such as "
-                f"torch.float32 or torch.bfloat16, got {dtype!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        return (f"dtype must be a torch.dtype the model can compute in, for the hidden states and gradients: "
+                f"torch.float32, torch.bfloat16, torch.float16 or torch.float64, got {dtype!r}")
     return None
 
 

@@ -66,7 +66,10 @@ class PipeComm:
     def check_in_step(self) -> None:
         """Refuse to communicate once a step stopped in the middle of its transfers (an interrupt, a failed
         transfer): its unmatched sends and receives would pair with the next ones, which then hang or
-        carry another microbatch's data."""
+        carry another microbatch's data; and once the process group is gone."""
+        if self.pp_size > 1 and not dist.is_initialized():
+            raise RuntimeError("the process group this pipeline communicates over was destroyed "
+                               "(destroy_process_group); build the Pipeline again after init_process_group")
         if self.broken_by is not None:
             raise RuntimeError(
                 f"an earlier pipeline step stopped in the middle of its transfers ({self.broken_by}), so the "
@@ -119,7 +122,7 @@ class PipeComm:
         does in one process); called by those two ranks. Their checksums tell whether the ends
         differ, so equal ones cost one read of the matrix and no transfer of it."""
         peer = self._other_end(is_first)
-        mine = _bits_checksum(tensor)
+        mine = bits_checksum(tensor)
         if not torch.equal(mine, self._swap(mine, peer)):
             for work in self.post([("send" if is_first else "recv", tensor, peer)]):
                 work.wait()
@@ -141,7 +144,7 @@ class PipeComm:
         return received
 
 
-def _bits_checksum(tensor: torch.Tensor) -> torch.Tensor:
+def bits_checksum(tensor: torch.Tensor) -> torch.Tensor:
     """Checksums of the tensor's bytes taken four at a time as wrapping int32s, laid out in rows of 64:
     the sums of its columns and of its rows, each weighted by its place, so that ends holding the same
     values in another order (rows swapped, say) differ. Equal tensors give equal sums on any device and

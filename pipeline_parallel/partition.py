@@ -140,6 +140,9 @@ def _stage_cost(num_layers: int, stage: int, num_stages: int, costs: ModelCosts,
 def check_layer_counts(layer_counts: list[int], num_layers: int, num_stages: int) -> list[int]:
     """Validate user-given layers per stage; returns them as a list of ints."""
     num_layers, num_stages = _check_stage_count(num_layers, num_stages)
+    if isinstance(layer_counts, (str, bytes)) or not hasattr(layer_counts, "__iter__"):
+        raise ValueError(f"layer_counts must be a list of decoder layers per stage, such as [3, 3, 2], got "
+                         f"{layer_counts!r:.100}")
     counts = list(layer_counts)
     if len(counts) != num_stages:
         raise ValueError(

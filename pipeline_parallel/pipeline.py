@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import secrets
 import time
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from ._checks import check_bool, check_int, check_positive, check_seed
 from .batch import agree_on_batch, agree_on_settings, fingerprint
-from .comm import PipeComm, default_device, usable_device
+from .comm import PipeComm, bits_checksum, default_device, usable_device
 from .loss import IGNORE_INDEX
 from .models.decoder import (DecoderParts, check_shared_parameters, end_weight, is_tied, model_settings,
                              tied_weight_end)
@@ -18,7 +19,7 @@ from .models.families import check_layout
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
 from .runtime import StepData, run_step
-from .schedules import build_schedule, send_releases
+from .schedules import build_schedule, schedule_name, send_releases
 from .schedules.split import planned_duration
 from .stage import PipelineStage, inference_mode_error
 
@@ -116,11 +117,9 @@ class Pipeline:
         num_microbatches = 2 * self.pp_size if num_microbatches is None else num_microbatches
         self.num_microbatches, self.schedule, self.split, self.recompute = num_microbatches, schedule, split, recompute
         model_config = model_settings(getattr(model, "config", None))
-        self._settings = fingerprint(
-            schedule=str(schedule).lower(), num_microbatches=num_microbatches, layer_counts=layer_counts,
-            autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed, recompute=recompute,
-            model_config=model_config,
-        )
+        given = dict(schedule=schedule_name(schedule), num_microbatches=num_microbatches, layer_counts=layer_counts,
+                     autocast_dtype=str(autocast_dtype), split=split, seq_len=seq_len, seed=seed, recompute=recompute)
+        self._settings = fingerprint(**given, model_config=model_config)
         on_meta = dtypes = tied = None
         try:  # plan locally; any rank's mistake is raised on every rank by the agreement below
             if device_error:
@@ -129,26 +128,31 @@ class Pipeline:
             check_bool("recompute", recompute)
             seed = check_seed("seed", seed, hint=" (weights a model on meta gets are drawn from it)")
             self.layer_counts, (self.program, self._releases), self._eval_plan = self._plan(model, layer_counts, seq_len)
+            _check_as_one_process(model)
             on_meta, error = weights_on_meta(model), None
             dtypes, tied = _parameter_dtypes(model), is_tied(model)
             # The residual stream between stages keeps the embedding's dtype (autocast computes in
             # lower precision but adds in it), whatever dtype the stage's own layers hold.
             self.activation_dtype = model.model.embed_tokens.weight.dtype
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # any, out of memory too: raised here alone, it would leave the others waiting
             error = e
-        # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang.
+        # Agree before touching the model, so a bad or mismatched launch fails here and not in a hang. The ranks
+        # take the first one's random number as the Pipeline's: each step checks they call the one they built.
         local = fingerprint(weights_on_meta=on_meta, parameter_dtypes=dtypes, tied_embedding=tied)
-        agree_on_settings(self.comm, {**self._settings, **local}, call="Pipeline()", local_error=error,
-                          details={"model_config": model_config, "parameter_dtypes": dict(dtypes or ())})
+        by_rank = agree_on_settings(
+            self.comm, {**self._settings, **local}, call="Pipeline()", local_error=error, facts=[secrets.randbits(31)],
+            details={"model_config": model_config, "parameter_dtypes": dict(dtypes or ()),
+                     **{name: {name: value} for name, value in given.items()}})
+        self._settings.update(fingerprint(pipeline=by_rank[0][0]))
         self.config = model.config
 
         holds_tied_end = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
         keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
         error = None
-        try:  # a buffer the model cannot make shows on the rank holding it: every rank raises, none waits for it
+        try:  # a buffer the model cannot make, or no memory for the weights, shows on one rank: every rank raises
             materialize(model, self.device, seed)
-        except (TypeError, ValueError) as e:
+        except Exception as e:
             error = e
         agree_on_settings(self.comm, {}, call="Pipeline()", local_error=error)
         self.model = model.to(self.device)
@@ -209,7 +213,16 @@ class Pipeline:
             call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
             num_microbatches=self.num_microbatches, settings=self._settings,
             local_error=self._changed() or (self._training_error() if training else None),
+            facts=bits_checksum(self._tied_weight).tolist() if self._tied_weight is not None else [-1] * 3,
         )
+        first_end, last_end = info.facts[0], info.facts[-1]  # checksums of a tied embedding's ends, where there are two
+        if first_end[0] >= 0 and first_end != last_end:
+            raise ValueError(
+                "the tied embedding's two ends (model.embed_tokens.weight on the first stage, lm_head.weight on the "
+                "last), one matrix in one process, no longer hold the same values: something changed one end and not "
+                "the other since the Pipeline was built, such as an optimizer that treats them otherwise (parameter "
+                "groups chosen by name: Pipeline.named_parameters() names both model.embed_tokens.weight) or weights "
+                "set on one rank; change both ends alike")
         if info.num_target_tokens == 0:
             raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to "
                              f"{'train on' if training else 'evaluate'}; give a batch with at least one target token")
@@ -257,6 +270,9 @@ class Pipeline:
         if replaced:
             return (f"{', '.join(replaced)} of the model was replaced after the Pipeline was built, and the stage "
                     "would go on running the old one; change the whole model before building the Pipeline from it")
+        hooked = _wrapper_hook(self.model)
+        if hooked:
+            return hooked
         if tied_now is not self._tied_weight:
             return ("the tied embedding's Parameter was replaced after the Pipeline was built (say, by "
                     "load_state_dict(assign=True)), and the step would go on adding the two ends' gradients into "
@@ -275,8 +291,11 @@ class Pipeline:
         return self.model.parameters()
 
     def named_parameters(self):
-        """This rank's parameters under their names in the full model."""
-        return self.model.named_parameters()
+        """This rank's parameters under their names in the full model; the last stage's end of a tied embedding under
+        the name one process gives that one matrix, model.embed_tokens.weight, so that a choice made by name (an
+        optimizer's parameter groups) treats both ends alike."""
+        for name, param in self.model.named_parameters():
+            yield ("model.embed_tokens.weight" if self.is_last and param is self._tied_weight else name), param
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of this rank's stage (as `nn.Module.zero_grad`), before the next step."""
@@ -346,6 +365,35 @@ def _common_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     for dtype in dtypes[1:]:
         common = torch.promote_types(common, dtype)
     return common
+
+
+_HOOK_KINDS = {"forward pre-hook": "_forward_pre_hooks", "forward hook": "_forward_hooks",
+               "backward pre-hook": "_backward_pre_hooks", "backward hook": "_backward_hooks"}
+
+
+def _wrapper_hook(model: nn.Module) -> str | None:
+    """Why the model or model.model holds a hook, which would never fire: a stage runs their parts (embedding, layers,
+    norm, head), never their forward; a hook that changes the logits would train another function silently."""
+    for name, module in (("the model", model), ("model.model", model.model)):
+        kind = next((kind for kind, attr in _HOOK_KINDS.items() if getattr(module, attr, None)), None)
+        if kind:
+            return (f"{name} has a {kind}, which a pipeline never fires: a stage runs the model's parts (the embedding, "
+                    "layers, norm and head), never the forward of the model or model.model; register the hook on "
+                    "those parts, or remove it (handle.remove())")
+    return None
+
+
+def _check_as_one_process(model: nn.Module) -> None:
+    """Raise where the pipeline would compute otherwise than one process running `model`: a hook on a wrapper
+    (`_wrapper_hook`), or an embedding scaling its gradient by each token's frequency in the batch (a stage sees
+    one microbatch at a time)."""
+    hooked = _wrapper_hook(model)
+    if hooked:
+        raise ValueError(hooked)
+    if getattr(model.model.embed_tokens, "scale_grad_by_freq", False):
+        raise ValueError("the embedding has scale_grad_by_freq = True, which scales its gradient by each token's "
+                         "count in the batch, and a pipeline stage sees one microbatch at a time; set "
+                         "model.model.embed_tokens.scale_grad_by_freq = False")
 
 
 def _check_autocast_dtype(dtype) -> None:

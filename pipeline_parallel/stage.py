@@ -61,7 +61,7 @@ class PipelineStage:
         # Entered after set_grad_enabled, so an evaluation (no grad) leaves the embedding as it is.
         seen = _ForwardSeen()  # what a split backward must know of this forward
         with self._autocast(x), torch.set_grad_enabled(graph), sparse_embedding_grad(self.parts.embed_tokens), \
-                _forward_watched(seen, graph):
+                _forward_watched(seen, graph), _input_changed_in_place_told(not self.is_first):
             if self.is_last and head_loss_applies(self.parts.lm_head, training):
                 hidden = self.parts.forward(x, head=False)
                 head = HeadLoss(hidden, self.parts.lm_head, labels, loss_scale, self.parts.scales, need_grad=graph)
@@ -233,6 +233,20 @@ def _forward_watched(seen: _ForwardSeen, enabled: bool):
 
 
 @contextlib.contextmanager
+def _input_changed_in_place_told(received: bool):
+    """Within: autograd's refusal of an in-place change to a leaf says why it meets a stage's input, which (`received`
+    from the stage before) is a leaf where in one process it is not: a hook that changes a layer's input in place."""
+    try:
+        yield
+    except RuntimeError as e:
+        if received and "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+            e.add_note("pipeline_parallel: a stage's input, received from the stage before, is a leaf of the stage's "
+                       "graph: a hook (or module) that changes it in place, as a forward pre-hook doing args[0].add_(...) "
+                       "would, must return a changed copy instead (return (args[0] + v, *args[1:]))")
+        raise
+
+
+@contextlib.contextmanager
 def sparse_embedding_grad(embedding: torch.nn.Module | None):
     """Within: `embedding` makes a sparse gradient of the rows it looked up, added into a dense `.grad`.
 
@@ -243,11 +257,12 @@ def sparse_embedding_grad(embedding: torch.nn.Module | None):
     per microbatch; `.grad` is made here if missing, so it stays dense. Values equal the dense
     backward's up to the order of the sum over repeated tokens. Skipped, leaving the embedding as
     it is, where someone would see the sparse gradient (a hook on the weight, a weight that is no
-    plain Parameter) or where it would change nothing (no gradient, already sparse).
+    plain Parameter), where torch has no sparse backward (`scale_grad_by_freq`) or where it would change
+    nothing (no gradient, already sparse).
     """
     weight = getattr(embedding, "weight", None)
-    if (not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or not _unwatched_trainable(weight)
-            or not torch.is_grad_enabled()):
+    if (not isinstance(embedding, torch.nn.Embedding) or embedding.sparse or embedding.scale_grad_by_freq
+            or not _unwatched_trainable(weight) or not torch.is_grad_enabled()):
         yield
         return
     if weight.grad is None:

@@ -68,11 +68,77 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
 
 
 def _frozen_at_first_end(group):
-    """A tied model whose user froze the embedding by its name, which only the first rank holds."""
+    """A tied model whose user froze the embedding by its module's name, which only the first rank holds (by
+    `Pipeline.named_parameters`, which names both ends as one process does, both would freeze)."""
     pipe = pp.Pipeline(build("llama", 4, tie=True), device="cpu", group=group, num_microbatches=2)
-    for name, param in pipe.named_parameters():
+    for name, param in pipe.model.named_parameters():
         param.requires_grad_(name != "model.embed_tokens.weight")
     return pipe
+
+
+def _hooked(where: str, after: bool, group):
+    """A Pipeline of a model with a forward hook on `where` ("model" or "model.model"), registered before the
+    Pipeline is built or (`after`) before its step; the hook doubles what it sees, which no stage would do."""
+    model = build("llama", 4)
+    double = (lambda module, args, out: out * 2) if where == "model.model" else (
+        lambda module, args, out: type(out)(logits=out.logits * 2))
+    wrapper = model if where == "model" else model.model
+    if not after:
+        wrapper.register_forward_hook(double)
+    pipe = pp.Pipeline(model, device="cpu", group=group, num_microbatches=2)
+    if after:
+        wrapper.register_forward_hook(double)
+    return pipe.step(X, Y)
+
+
+def _two_pipelines_called_apart(rank, group):
+    """Two Pipelines the ranks built together, stepped in another order on each rank: rank 0 steps the first, rank 1
+    the second. Each rank's stage ran with the other model's activations, silently."""
+    first, second = (pp.Pipeline(build("llama", 4, seed=seed), device="cpu", group=group, num_microbatches=2)
+                     for seed in (0, 1))
+    return (first if rank == 0 else second).step(X, Y)
+
+
+def _tied_end_changed_on_one_rank(rank, world_size, group):
+    """A tied model whose head end on the last rank was changed after the Pipeline was built: the ends are one matrix
+    in one process, and the step would train two."""
+    pipe = pp.Pipeline(build("llama", 4, tie=True), device="cpu", group=group, num_microbatches=2)
+    pipe.step(X, Y)
+    if rank == world_size - 1:
+        with torch.no_grad():
+            pipe.model.lm_head.weight.mul_(0.999)
+    return pipe.evaluate(X, Y)
+
+
+def _model_with(change):
+    model = build("llama", 4)
+    change(model)
+    return model
+
+
+class _EmbeddingWrapper(nn.Module):
+    def __init__(self, embedding):
+        super().__init__()
+        self.inner = embedding
+
+    def forward(self, ids):
+        return self.inner(ids)
+
+
+def _failing_to_materialize(rank, group, monkeypatch_rank=0):
+    """A stage that cannot be made on one rank (its memory ran out): the others waited out the group's timeout."""
+    import pipeline_parallel.pipeline as pipeline_module
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes")
+
+    real = pipeline_module.materialize
+    if rank == monkeypatch_rank:
+        pipeline_module.materialize = out_of_memory
+    try:
+        return pp.Pipeline(build("llama", 4, meta=True), device="cpu", group=group, num_microbatches=2)
+    finally:
+        pipeline_module.materialize = real
 
 
 def _all_frozen(group):
@@ -172,8 +238,9 @@ PIPELINE_CASES = {
     # with a hint for one difference, the others still say what to change
     "tied-on-some-ranks-and-microbatches-differ": (
         lambda r, w, g: pp.Pipeline(_untied_on_last_rank(r, w), group=g, device="cpu", num_microbatches=2 + r),
-        ValueError, r"disagree on 'num_microbatches', 'tied_embedding': model.lm_head.weight .* or on none; every "
-        r"rank must construct the pipeline and call the step with the same num_microbatches$"),
+        ValueError, r"disagree on 'num_microbatches' \(num_microbatches: 2 on rank 0, 3 on rank 1\), 'tied_embedding': "
+        r"model.lm_head.weight .* or on none; every rank must construct the pipeline and call the step with the same "
+        r"num_microbatches$"),
     "tied-loaded-with-assign": (lambda r, w, g: pp.Pipeline(_tied_loaded_with_assign(), group=g, device="cpu"),
                                 ValueError, r"model.embed_tokens.weight \(stage 0\) and lm_head.weight \(stage 1\) "
                                 r"are two Parameters holding the same values.*call model.tie_weights\(\)"),
@@ -196,8 +263,8 @@ PIPELINE_CASES = {
     "recompute-string": (lambda r, w, g: _pipe(g, recompute="yes"), ValueError,
                          r"recompute must be True or False, got 'yes'"),
     "recompute-on-rank-1-only": (lambda r, w, g: _pipe(g, recompute=r == 1), ValueError,
-                                 r"the pipeline ranks disagree on 'recompute': every rank must construct the pipeline .* "
-                                 r"with the same recompute"),
+                                 r"the pipeline ranks disagree on 'recompute' \(recompute: False on rank 0, True on rank "
+                                 r"1\): every rank must construct the pipeline .* with the same recompute"),
     "autocast-dtype-on-rank-1-only": (lambda r, w, g: _pipe(g, autocast_dtype=torch.float64 if r == 1 else None),
                                       TypeError, r"pipeline rank 1: autocast_dtype must be .* got torch.float64"),
     "partly-on-meta": (lambda r, w, g: pp.Pipeline(_partly_on_meta(), device="cpu", group=g, num_microbatches=2),
@@ -236,11 +303,11 @@ PIPELINE_CASES = {
     "mismatch-microbatches": (lambda r, w, g: _pipe(g, num_microbatches=2 if r == 0 else 4), ValueError,
                               r"ranks disagree on 'num_microbatches'.*same num_microbatches"),
     "mismatch-schedule": (lambda r, w, g: _pipe(g, schedule="1f1b" if r == 0 else "gpipe"), ValueError,
-                          r"ranks disagree on 'schedule'"),
+                          r"ranks disagree on 'schedule' \(schedule: '1f1b' on rank 0, 'gpipe' on rank 1\)"),
     "mismatch-layer-counts": (lambda r, w, g: _pipe(g, layer_counts=[2, 2] if r == 0 else [3, 1]), ValueError,
                               r"ranks disagree on 'layer_counts'"),
     "mismatch-seq-len": (lambda r, w, g: _pipe(g, seq_len=8 if r == 0 else 2048), ValueError,
-                         r"ranks disagree on 'seq_len'"),
+                         r"ranks disagree on 'seq_len' \(seq_len: 8 on rank 0, 2048 on rank 1\)"),
     "mismatch-model": (lambda r, w, g: pp.Pipeline(build("llama", 4, vocab=64 if r == 0 else 128), device="cpu",
                                                    group=g, num_microbatches=2), ValueError,
                        r"ranks disagree on 'model_config' \(vocab_size: 64 on rank 0, 128 on rank 1\): every rank "
@@ -368,6 +435,48 @@ PIPELINE_CASES = {
                                      ValueError, r"pipeline rank \d: labels holds token IDs .* to 99"),
     "first-rank-shape-differs": (lambda r, w, g: _step_with(g, *(_data(seq=7) if r == 0 else _data())),
                                  ValueError, r"labels are shaped \[4, 6\] but input_ids \[4, 7\]"),
+    # what a stage would compute otherwise than one process, silently
+    "hook-on-the-model": (lambda r, w, g: _hooked("model", False, g), ValueError,
+                          r"the model has a forward hook, which a pipeline never fires: a stage runs the model's parts "
+                          r"\(the embedding, layers, norm and head\), never the forward of the model or model.model; "
+                          r"register the hook on those parts, or remove it"),
+    "hook-on-model.model-after-the-pipeline": (lambda r, w, g: _hooked("model.model", True, g), ValueError,
+                                               r"model.model has a forward hook, which a pipeline never fires"),
+    "two-pipelines-called-apart": (lambda r, w, g: _two_pipelines_called_apart(r, g), ValueError,
+                                   r"the pipeline ranks disagree on 'pipeline': the ranks called different Pipelines; "
+                                   r"every rank must call the Pipeline it built with the others"),
+    "tied-end-changed-on-one-rank": (lambda r, w, g: _tied_end_changed_on_one_rank(r, w, g), ValueError,
+                                     r"the tied embedding's two ends \(model.embed_tokens.weight on the first stage, "
+                                     r"lm_head.weight on the last\), one matrix in one process, no longer hold the "
+                                     r"same values: .*change both ends alike"),
+    "embedding-scale-grad-by-freq": (lambda r, w, g: pp.Pipeline(_model_with(
+                                         lambda m: setattr(m.model.embed_tokens, "scale_grad_by_freq", True)),
+                                         device="cpu", group=g), ValueError,
+                                     r"the embedding has scale_grad_by_freq = True, which scales its gradient by each "
+                                     r"token's count in the batch, and a pipeline stage sees one microbatch at a time"),
+    "tied-embedding-max-norm": (lambda r, w, g: pp.Pipeline(
+                                    (lambda m: (setattr(m.model.embed_tokens, "max_norm", 1.0), m)[1])(
+                                        build("llama", 4, tie=True)), device="cpu", group=g), ValueError,
+                                r"the tied embedding has max_norm = 1.0: its lookups renormalise rows of the matrix in "
+                                r"place on the first stage, which the LM head's copy on the last stage would not see"),
+    "hidden-size-not-the-weights'": (lambda r, w, g: pp.Pipeline(_model_with(
+                                         lambda m: setattr(m.config, "hidden_size", 48)), device="cpu", group=g),
+                                     ValueError, r"config.hidden_size is 48 but model.embed_tokens.weight is shaped "
+                                     r"\(64, 32\), and the stages hand on hidden states as wide as config.hidden_size; "
+                                     r"give the config the weights were made with \(hidden_size = 32\)"),
+    "layers-in-a-sequential": (lambda r, w, g: pp.Pipeline(_model_with(
+                                   lambda m: setattr(m.model, "layers", nn.Sequential(*m.model.layers))),
+                                   device="cpu", group=g), TypeError,
+                               r"model.model.layers is a Sequential; a pipeline splits an nn.ModuleList"),
+    "embedding-in-a-wrapper": (lambda r, w, g: pp.Pipeline(_model_with(
+                                   lambda m: setattr(m.model, "embed_tokens", _EmbeddingWrapper(m.model.embed_tokens))),
+                                   device="cpu", group=g), TypeError,
+                               r"model.embed_tokens \(_EmbeddingWrapper\) holds no weight matrix"),
+    "layer-counts-an-int": (lambda r, w, g: _pipe(g, layer_counts=4), ValueError,
+                            r"layer_counts must be a list of decoder layers per stage, such as \[3, 3, 2\], got 4"),
+    # any error building a stage on one rank, not only a check's: the others waited out the group's timeout
+    "out-of-memory-making-rank-0's-stage": (lambda r, w, g: _failing_to_materialize(r, g), RuntimeError,
+                                            r"^(pipeline rank 0: RuntimeError: )?DefaultCPUAllocator: can't allocate"),
     # dtypes the checks accept but the model does not take: either every rank trains, or every rank raises
     "labels-int32": (lambda r, w, g: _step_with(g, y=Y.int()), OK_OR_VALUE_ERROR, r"labels.*dtype"),
     "inputs-int16": (lambda r, w, g: _step_with(g, x=X.short()), OK_OR_VALUE_ERROR, r"input_ids.*dtype"),
@@ -483,7 +592,10 @@ CLASSIC_CASES = {
                                               r"train_step_pipeline_afab\(\) on rank 0, train_step_pipeline_1f1b\(\) "
                                               r"on rank 1"),
     "classic-integer-dtype": (lambda r, w, g: _classic(dtype=torch.int64), ValueError,
-                              r"dtype must be a floating-point torch.dtype .* got torch.int64"),
+                              r"dtype must be a torch.dtype the model can compute in, .* got torch.int64"),
+    # a float8 passed a check for floating-point dtypes, then failed inside the model
+    "classic-float8-dtype": (lambda r, w, g: _classic(dtype=torch.float8_e4m3fn), ValueError,
+                             r"torch.float32, torch.bfloat16, torch.float16 or torch.float64, got torch.float8_e4m3fn"),
 }
 
 CLASSIC_WORLD4_CASES = {

@@ -295,7 +295,7 @@ def test_pipeline_matches_single_process(results, world_size, index, case):
         assert got["eval_after"] == pytest.approx(ref["loss1"], abs=1e-5), what
         assert got["grads_none_after_eval"] and got["grads_kept_by_eval"], what
         assert case.accumulate or got["grads_none_after_zero"], what
-    full = set(ref["full_names"]) - ({"lm_head.weight"} if case.tie and world_size == 1 else set())
+    full = set(ref["full_names"]) - ({"lm_head.weight"} if case.tie else set())
     assert seen == full, "the stages together hold the whole model"
     _check_timelines([got["timeline"] for got in per_rank], [got["program"] for got in per_rank],
                      [got["step_seconds"] for got in per_rank])
@@ -1346,3 +1346,70 @@ def test_evaluate_runs_inside_inference_mode():
     pipe = pp.Pipeline(build("llama", 2), num_microbatches=2, device="cpu")
     with torch.inference_mode():
         assert pipe.evaluate(x, y) == pytest.approx(want, abs=1e-5)
+
+
+def _as_one_process_worker(rank, world_size):
+    """What the ranks may do apart and still train as one process: name the schedule by either of its names, and
+    choose an optimizer's parameter groups by name on a tied model. Last, a step after the process group is gone."""
+    x, y = make_batch(4, 6, num_microbatches=2)
+    afab = pp.Pipeline(build("llama", 4), "afab" if rank == 0 else "gpipe", num_microbatches=2, device="cpu")
+    afab_loss = afab.step(x, y)
+    # The last rank's end of the tied matrix goes by the name one process gives it, so the embedding's group (no
+    # weight decay) holds both ends; by the module's name, lm_head.weight, the ends decayed apart.
+    ref, pipe = build("llama", 4, tie=True), pp.Pipeline(build("llama", 4, tie=True), num_microbatches=2, device="cpu")
+
+    def adamw(named):
+        named = list(named)
+        return torch.optim.AdamW([{"params": [p for n, p in named if "embed_tokens" not in n]},
+                                  {"params": [p for n, p in named if "embed_tokens" in n], "weight_decay": 0.0}],
+                                 lr=1e-2, weight_decay=0.5)
+
+    names = [name for name, _ in pipe.named_parameters()]
+    optimizer, ref_optimizer = adamw(pipe.named_parameters()), adamw(ref.named_parameters())
+    for _ in range(3):
+        losses = pipe.step(x, y), full_loss(ref, x, y)
+        losses[1].backward()
+        optimizer.step(), ref_optimizer.step()
+        pipe.zero_grad(), ref_optimizer.zero_grad()
+    ref_weights = dict(ref.named_parameters())
+    largest = max((p - ref_weights[name]).abs().max().item() for name, p in pipe.named_parameters())
+    dist.destroy_process_group()
+    with pytest.raises(RuntimeError) as gone:
+        pipe.step(x, y)
+    return afab_loss, names, largest, losses[0] - losses[1].item(), str(gone.value)
+
+
+def test_ranks_may_name_a_schedule_or_a_tied_weight_as_one_process_does():
+    """"afab" on one rank and "gpipe" on another were refused as two schedules; an optimizer's groups chosen by name
+    put the tied head (lm_head.weight on the last rank) in another group than its embedding, and the two ends of
+    one matrix drifted apart silently. A step after destroy_process_group blamed an earlier step's transfers."""
+    x, y = make_batch(4, 6, num_microbatches=2)
+    want = full_loss(build("llama", 4), x, y).item()
+    results = run_distributed(_as_one_process_worker, 2, timeout=TIMEOUT)
+    for rank, (afab_loss, names, largest, loss_difference, gone) in enumerate(results):
+        assert afab_loss == pytest.approx(want, abs=1e-5)
+        assert ("model.embed_tokens.weight" in names) and "lm_head.weight" not in names, (rank, names)
+        assert largest < 1e-5 and abs(loss_difference) < 1e-5, (rank, largest, loss_difference)
+        assert gone == ("the process group this pipeline communicates over was destroyed (destroy_process_group); "
+                        "build the Pipeline again after init_process_group")
+
+
+def _prehook_in_place_worker(rank, world_size):
+    model = build("llama", 4)
+    model.model.layers[3].register_forward_pre_hook(lambda module, args: args[0].add_(1.0))  # on stage 1's input
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu", layer_counts=[3, 1])
+    try:
+        pipe.step(*make_batch(4, 6, num_microbatches=2))
+    except RuntimeError as e:
+        return str(e), getattr(e, "__notes__", [])
+    return None
+
+
+def test_a_hook_changing_a_stage_input_in_place_is_told_how_to_change_it():
+    """A received stage input is a leaf of the stage's graph (in one process it is not): autograd's refusal of an
+    in-place change to it said nothing of the pipeline."""
+    (message_0, _), (message_1, notes) = run_distributed(_prehook_in_place_worker, 2, timeout=TIMEOUT)
+    assert message_0.startswith("pipeline rank 1 failed during the step (RuntimeError: a leaf Variable")
+    assert "leaf Variable that requires grad is being used in an in-place operation" in message_1
+    assert notes[0].startswith("pipeline_parallel: a stage's input, received from the stage before, is a leaf of the "
+                               "stage's graph: a hook (or module) that changes it in place")

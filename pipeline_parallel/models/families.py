@@ -108,6 +108,7 @@ def check_layout(model: nn.Module) -> None:
             f"this {type(model).__name__} holds one pipeline stage only (a Pipeline already split it); "
             "pass the whole model, built anew or loaded from a checkpoint"
         )
+    _check_ends(model)
     _check_vocab_rows(model)
     if not is_hf_config(model.config):
         _check_call_arguments(model)
@@ -228,6 +229,31 @@ def causal_mask(config, hidden: torch.Tensor, position_ids: torch.Tensor, slidin
         kwargs["cache_position"] = position_ids[0]  # sequences: a [batch, 1, seq, seq] tensor where sdpa needs none
         kwargs["position_ids"] = None
     return create(**kwargs)
+
+
+def _check_ends(model: nn.Module) -> None:
+    """Raise unless the layers are a ModuleList and the embedding and head hold the matrices the stages run: as
+    wide as config.hidden_size, the width of the hidden states the stages hand on; and a tied embedding that
+    leaves its matrix as it is (`max_norm` renormalises the rows it looks up in place, which one process's head
+    would see and the last stage's copy does not)."""
+    if not isinstance(model.model.layers, nn.ModuleList):
+        raise TypeError(f"model.model.layers is a {type(model.model.layers).__name__}; a pipeline splits an "
+                        "nn.ModuleList of decoder layers, as Hugging Face models hold them")
+    hidden_size = getattr(model.config, "hidden_size", None)
+    for name, module in (("model.embed_tokens", model.model.embed_tokens), ("lm_head", model.lm_head)):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise TypeError(f"{name} ({type(module).__name__}) holds no weight matrix (.weight); a pipeline stage "
+                            "runs an embedding and an LM head that hold theirs, as nn.Embedding and nn.Linear do")
+        if isinstance(hidden_size, int) and weight.shape[1] != hidden_size:
+            raise ValueError(f"config.hidden_size is {hidden_size} but {name}.weight is shaped {tuple(weight.shape)}, "
+                             f"and the stages hand on hidden states as wide as config.hidden_size; give the config "
+                             f"the weights were made with (hidden_size = {weight.shape[1]})")
+    embedding = model.model.embed_tokens
+    if getattr(embedding, "max_norm", None) is not None and model.lm_head.weight is embedding.weight:
+        raise ValueError(f"the tied embedding has max_norm = {embedding.max_norm}: its lookups renormalise rows of the "
+                         "matrix in place on the first stage, which the LM head's copy on the last stage would not "
+                         "see, unlike in one process; set max_norm = None, or untie the head")
 
 
 def _check_vocab_rows(model: nn.Module) -> None:

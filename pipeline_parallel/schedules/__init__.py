@@ -16,6 +16,12 @@ from .validate import ScheduleError, validate
 SCHEDULES = {"gpipe": gpipe, "afab": gpipe, "1f1b": one_f_one_b}
 
 
+def schedule_name(name) -> str:
+    """The name a schedule goes by, for ranks to compare: "gpipe" for "afab" too, as written otherwise."""
+    key = str(name).lower()
+    return next((each for each, generator in SCHEDULES.items() if generator is SCHEDULES.get(key)), key)
+
+
 def build_schedule(
     name: str, num_stages: int, num_microbatches: int, prefetch: bool = True, forward_only: bool = False,
     stage_costs: list[float] | None = None, split: int | None = None, recompute: bool = False,
@@ -54,6 +60,6 @@ def build_schedule(
 
 __all__ = [
     "Action", "B", "F", "I", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "W", "backward_next", "build_schedule",
-    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "recomputed", "send_releases",
-    "simulate", "split_backwards", "stage_to_rank", "stages_of_rank", "validate",
+    "choose_split", "estimated_duration", "gpipe", "lower", "makespan", "one_f_one_b", "recomputed", "schedule_name",
+    "send_releases", "simulate", "split_backwards", "stage_to_rank", "stages_of_rank", "validate",
 ]
