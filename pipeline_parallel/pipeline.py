@@ -148,16 +148,16 @@ class Pipeline:
 
         holds_tied_end = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
-        keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
         error = None
-        try:  # a buffer the model cannot make, or no memory for the weights, shows on one rank: every rank raises
+        try:  # a buffer the model cannot make, or no memory for the stage, shows on one rank: every rank raises
+            keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
             materialize(model, self.device, seed)
+            self.model = model.to(self.device)
+            parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
+            self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype, recompute)
         except Exception as e:
             error = e
         agree_on_settings(self.comm, {}, call="Pipeline()", local_error=error)
-        self.model = model.to(self.device)
-        parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
-        self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype, recompute)
         self._tied_weight = None
         if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
             self._tied_weight = end_weight(model, self.is_first)

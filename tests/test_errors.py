@@ -125,20 +125,21 @@ class _EmbeddingWrapper(nn.Module):
         return self.inner(ids)
 
 
-def _failing_to_materialize(rank, group, monkeypatch_rank=0):
-    """A stage that cannot be made on one rank (its memory ran out): the others waited out the group's timeout."""
+def _out_of_memory_in(step: str, rank, group, failing_rank):
+    """A stage that cannot be made on one rank, its memory run out in `step` (a name in pipeline.py): the others
+    waited out the group's timeout."""
     import pipeline_parallel.pipeline as pipeline_module
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes")
 
-    real = pipeline_module.materialize
-    if rank == monkeypatch_rank:
-        pipeline_module.materialize = out_of_memory
+    real = getattr(pipeline_module, step)
+    if rank == failing_rank:
+        setattr(pipeline_module, step, out_of_memory)
     try:
         return pp.Pipeline(build("llama", 4, meta=True), device="cpu", group=group, num_microbatches=2)
     finally:
-        pipeline_module.materialize = real
+        setattr(pipeline_module, step, real)
 
 
 def _all_frozen(group):
@@ -475,8 +476,10 @@ PIPELINE_CASES = {
     "layer-counts-an-int": (lambda r, w, g: _pipe(g, layer_counts=4), ValueError,
                             r"layer_counts must be a list of decoder layers per stage, such as \[3, 3, 2\], got 4"),
     # any error building a stage on one rank, not only a check's: the others waited out the group's timeout
-    "out-of-memory-making-rank-0's-stage": (lambda r, w, g: _failing_to_materialize(r, g), RuntimeError,
+    "out-of-memory-making-rank-0's-stage": (lambda r, w, g: _out_of_memory_in("materialize", r, g, 0), RuntimeError,
                                             r"^(pipeline rank 0: RuntimeError: )?DefaultCPUAllocator: can't allocate"),
+    "out-of-memory-in-rank-1's-stage": (lambda r, w, g: _out_of_memory_in("PipelineStage", r, g, 1), RuntimeError,
+                                        r"^(pipeline rank 1: RuntimeError: )?DefaultCPUAllocator: can't allocate"),
     # dtypes the checks accept but the model does not take: either every rank trains, or every rank raises
     "labels-int32": (lambda r, w, g: _step_with(g, y=Y.int()), OK_OR_VALUE_ERROR, r"labels.*dtype"),
     "inputs-int16": (lambda r, w, g: _step_with(g, x=X.short()), OK_OR_VALUE_ERROR, r"input_ids.*dtype"),
