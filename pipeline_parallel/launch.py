@@ -106,6 +106,12 @@ def stop_asked() -> Interrupted | None:
     return _stops[0] if _stops else None
 
 
+def forget_stop() -> None:
+    """Forget the stop a signal raised (see `stop_asked`) once the run it ended has told it: a later run in the same
+    process, or a Trainer used after it, must not take its own failures for that stop's consequence."""
+    _stops.clear()
+
+
 @contextlib.contextmanager
 def stop_signals_raise():
     """Inside, SIGINT and SIGTERM raise `Interrupted`; the handlers before are restored after. A signal

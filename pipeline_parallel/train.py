@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .checkpoint import latest_checkpoint
 from .config import Config, ConfigError, parse_args
 from .export import export_command
-from .launch import Interrupted, stop_asked, stop_signals_raise, tell_torchrun, world_size
+from .launch import Interrupted, forget_stop, stop_asked, stop_signals_raise, tell_torchrun, world_size
 from .resume import RunComplete
 from .trainer import CheckpointNotSaved, Trainer, TrainingDiverged
 
@@ -93,6 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse_args(argv)
     except ConfigError as e:
         _fail(f"error: {e}" if world_size() == 1 else f"error: rank {rank}: {e}", 2, show=True)
+    try:
+        _run_to_its_end(cfg, rank)
+    finally:
+        forget_stop()
+
+
+def _run_to_its_end(cfg: Config, rank: int) -> None:
+    """Run `cfg`, then end as `main` says: return, or exit with its one line."""
     joins = not dist.is_initialized()
     try:
         with stop_signals_raise():
