@@ -132,6 +132,10 @@ class PipeComm:
         weight's gradient); called by the first and last ranks."""
         tensor.add_(self._swap(tensor, self._other_end(is_first)))
 
+    def other_end(self, tensor: torch.Tensor, is_first: bool) -> torch.Tensor:
+        """The other end's copy of `tensor` (a tied weight), for ours; called by the first and last ranks."""
+        return self._swap(tensor, self._other_end(is_first))
+
     def _other_end(self, is_first: bool) -> int:
         """The last rank for the first, the first for the last: the two ends of a tied weight."""
         return self.pp_size - 1 if is_first else 0

@@ -37,8 +37,8 @@ def check_hf_weights(model: nn.Module, path: str | Path) -> None:
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """Copy the weights of the local HF model at `path` into `model` (a full model or one stage).
 
-    Reads only the tensors this stage owns, so no rank holds the whole model. A tied LM head
-    missing from the files (as `save_pretrained` leaves it) takes the embedding; an untied one is refused.
+    Reads only the tensors this stage owns, so no rank holds the whole model. A tied LM head takes
+    the embedding (`save_pretrained` leaves it out of the files); an untied one missing is refused.
     """
     sources = _sources(model, path)
     state = model.state_dict()
@@ -63,10 +63,11 @@ def _sources(model: nn.Module, path: str | Path) -> _Sources:
     """Where in the `*.safetensors` files at `path` each of `model`'s tensors is. Raises if any is missing or,
     found by name, of another shape than the model's (read from the files' headers)."""
     where, state = _tensors_in_files(path), model.state_dict()
-    head_source = "model.embed_tokens.weight" if getattr(model.config, "tie_word_embeddings", False) else None
+    tied = getattr(model.config, "tie_word_embeddings", False)
     by_name, missing = {}, []
     for name in state:
-        source = name if name in where else head_source if name == "lm_head.weight" else None
+        # A tied head is the embedding, also where the files hold a head of their own: it loads alike on any split.
+        source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
         if source in where:
             by_name[name] = (source, where[source])
         else:

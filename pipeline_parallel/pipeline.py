@@ -217,12 +217,7 @@ class Pipeline:
         )
         first_end, last_end = info.facts[0], info.facts[-1]  # checksums of a tied embedding's ends, where there are two
         if first_end[0] >= 0 and first_end != last_end:
-            raise ValueError(
-                "the tied embedding's two ends (model.embed_tokens.weight on the first stage, lm_head.weight on the "
-                "last), one matrix in one process, no longer hold the same values: something changed one end and not "
-                "the other since the Pipeline was built, such as an optimizer that treats them otherwise (parameter "
-                "groups chosen by name: Pipeline.named_parameters() names both model.embed_tokens.weight) or weights "
-                "set on one rank; change both ends alike")
+            self._tie_ends_again("step()" if training else "evaluate()")
         if info.num_target_tokens == 0:
             raise ValueError(f"every label of the batch is {IGNORE_INDEX} (ignored): there is nothing to "
                              f"{'train on' if training else 'evaluate'}; give a batch with at least one target token")
@@ -246,6 +241,29 @@ class Pipeline:
         self._step_unfinished &= not training  # an evaluation leaves a failed step's mark
         self.last_timeline, self.last_step_seconds = step.timeline, time.perf_counter() - start
         return loss
+
+    def _tie_ends_again(self, call: str) -> None:
+        """Make the tied embedding's two ends, which differ, one matrix again, as one process holds it: the head takes
+        the embedding where they differ by rounding (an optimizer's arithmetic otherwise ordered on each end, its
+        stochastic rounding); where by more, something changed one end alone, and every rank raises."""
+        difference, other = -1.0, None
+        if self._tied_weight is not None:
+            mine = self._tied_weight.detach()
+            other = self.comm.other_end(mine, self.is_first)
+            difference = float(torch.linalg.vector_norm((mine - other).float())
+                               / torch.linalg.vector_norm(mine.float()).clamp_min(torch.finfo(torch.float32).tiny))
+        by_rank = agree_on_settings(self.comm, {}, call=call, facts=[_bits(torch.tensor(difference, dtype=torch.float64))])
+        difference = max(torch.tensor([bits for bits, in by_rank], dtype=torch.int64).view(torch.float64).tolist())
+        rounding = max(4 * torch.finfo(self.activation_dtype).eps, 1e-5)
+        if difference > rounding:
+            raise ValueError(
+                f"the tied embedding's two ends (model.embed_tokens.weight on the first stage, lm_head.weight on the "
+                f"last), one matrix in one process, differ by {difference:.2g} of its norm, more than rounding: "
+                "something changed one end and not the other since the Pipeline was built, such as an optimizer that "
+                "treats them otherwise (parameter groups chosen by name must put lm_head.weight, the last rank's end, "
+                "with model.embed_tokens.weight) or weights set on one rank; change both ends alike")
+        if other is not None and not self.is_first:
+            self._tied_weight.data.copy_(other)
 
     def _training_error(self) -> str | None:
         """Why no training step can run now, or None: inside inference mode, or after a failed step whose gradients
@@ -291,11 +309,9 @@ class Pipeline:
         return self.model.parameters()
 
     def named_parameters(self):
-        """This rank's parameters under their names in the full model; the last stage's end of a tied embedding under
-        the name one process gives that one matrix, model.embed_tokens.weight, so that a choice made by name (an
-        optimizer's parameter groups) treats both ends alike."""
-        for name, param in self.model.named_parameters():
-            yield ("model.embed_tokens.weight" if self.is_last and param is self._tied_weight else name), param
+        """This rank's parameters under their names in the full model (the last rank's end of a tied embedding is
+        lm_head.weight, the first rank's model.embed_tokens.weight)."""
+        return self.model.named_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of this rank's stage (as `nn.Module.zero_grad`), before the next step."""
@@ -331,7 +347,8 @@ class Pipeline:
                 error = e
         # One collective: the ranks' norms (as int64 bits) and gradient dtypes travel with their agreement on the
         # arguments, so that every rank returns the same norm in the same dtype (a rank may hold no gradient).
-        by_rank = agree_on_settings(self.comm, fingerprint(**given), call="clip_grad_norm_()", local_error=error,
+        by_rank = agree_on_settings(self.comm, {**fingerprint(**given), "pipeline": self._settings["pipeline"]},
+                                    call="clip_grad_norm_()", local_error=error,
                                     facts=[_bits(local), dtype], details={name: {name: v} for name, v in given.items()})
         norms = torch.tensor([bits for bits, _ in by_rank], dtype=torch.int64, device=self.device).view(torch.float64)
         dtypes = [_FLOAT_DTYPES[index] for _, index in by_rank if index >= 0]
@@ -372,14 +389,19 @@ _HOOK_KINDS = {"forward pre-hook": "_forward_pre_hooks", "forward hook": "_forwa
 
 
 def _wrapper_hook(model: nn.Module) -> str | None:
-    """Why the model or model.model holds a hook, which would never fire: a stage runs their parts (embedding, layers,
-    norm, head), never their forward; a hook that changes the logits would train another function silently."""
+    """Why the model or model.model holds a hook or a forward of its own, which would never run: a stage runs their
+    parts (embedding, layers, norm, head), never their forward; a hook that changes the logits would train another
+    function silently."""
     for name, module in (("the model", model), ("model.model", model.model)):
         kind = next((kind for kind, attr in _HOOK_KINDS.items() if getattr(module, attr, None)), None)
         if kind:
             return (f"{name} has a {kind}, which a pipeline never fires: a stage runs the model's parts (the embedding, "
                     "layers, norm and head), never the forward of the model or model.model; register the hook on "
                     "those parts, or remove it (handle.remove())")
+        if "forward" in vars(module):
+            return (f"{name} has a forward of its own, set on it (as accelerate's hooks do), which a pipeline never "
+                    "calls: a stage runs the model's parts (the embedding, layers, norm and head), never the forward "
+                    "of the model or model.model; change those parts instead, or delete the attribute")
     return None
 
 

@@ -104,18 +104,17 @@ def reference_step(model, x, y):
 
 
 def stage_names(full_names, layers, first: bool, last: bool, tie: bool = False) -> set[str]:
-    """The parameter names a stage owning decoder `layers` must expose (the subset of the full model); a tied
-    head goes by the name one process gives the one matrix, model.embed_tokens.weight."""
+    """The parameter names a stage owning decoder `layers` must expose (the subset of the full model)."""
     keep = set()
     for name in full_names:
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) in layers:
                 keep.add(name)
         elif name.startswith("model.embed_tokens."):
-            if first or (tie and last):
+            if first:
                 keep.add(name)
         elif name.startswith("model.norm.") or name.startswith("lm_head."):
-            if last and not (tie and name.startswith("lm_head.")):
+            if last and not (tie and first and name.startswith("lm_head.")):
                 keep.add(name)
         else:
             raise AssertionError(f"unexpected parameter {name}")

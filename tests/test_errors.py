@@ -68,10 +68,9 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
 
 
 def _frozen_at_first_end(group):
-    """A tied model whose user froze the embedding by its module's name, which only the first rank holds (by
-    `Pipeline.named_parameters`, which names both ends as one process does, both would freeze)."""
+    """A tied model whose user froze the embedding by its name, which only the first rank holds."""
     pipe = pp.Pipeline(build("llama", 4, tie=True), device="cpu", group=group, num_microbatches=2)
-    for name, param in pipe.model.named_parameters():
+    for name, param in pipe.named_parameters():
         param.requires_grad_(name != "model.embed_tokens.weight")
     return pipe
 
@@ -97,6 +96,21 @@ def _two_pipelines_called_apart(rank, group):
     first, second = (pp.Pipeline(build("llama", 4, seed=seed), device="cpu", group=group, num_microbatches=2)
                      for seed in (0, 1))
     return (first if rank == 0 else second).step(X, Y)
+
+
+def _two_pipelines_clipped_apart(rank, group):
+    """As above, in clip_grad_norm_: each rank clipped with a norm of both models' gradients."""
+    first, second = (pp.Pipeline(build("llama", 4, seed=seed), device="cpu", group=group, num_microbatches=2)
+                     for seed in (0, 1))
+    first.step(X, Y), second.step(X, Y)
+    return (first if rank == 0 else second).clip_grad_norm_(1.0)
+
+
+def _forward_set_on_the_model(group):
+    """A forward replaced on the instance, as accelerate's hooks do: no stage calls it."""
+    model = build("llama", 4)
+    model.forward = lambda *args, **kwargs: type(model).forward(model, *args, **kwargs)
+    return pp.Pipeline(model, device="cpu", group=group, num_microbatches=2)
 
 
 def _tied_end_changed_on_one_rank(rank, world_size, group):
@@ -446,10 +460,17 @@ PIPELINE_CASES = {
     "two-pipelines-called-apart": (lambda r, w, g: _two_pipelines_called_apart(r, g), ValueError,
                                    r"the pipeline ranks disagree on 'pipeline': the ranks called different Pipelines; "
                                    r"every rank must call the Pipeline it built with the others"),
+    "two-pipelines-clipped-apart": (lambda r, w, g: _two_pipelines_clipped_apart(r, g), ValueError,
+                                    r"the pipeline ranks disagree on 'pipeline': the ranks called different Pipelines"),
+    "forward-set-on-the-model": (lambda r, w, g: _forward_set_on_the_model(g), ValueError,
+                                 r"the model has a forward of its own, set on it \(as accelerate's hooks do\), which a "
+                                 r"pipeline never calls"),
     "tied-end-changed-on-one-rank": (lambda r, w, g: _tied_end_changed_on_one_rank(r, w, g), ValueError,
                                      r"the tied embedding's two ends \(model.embed_tokens.weight on the first stage, "
-                                     r"lm_head.weight on the last\), one matrix in one process, no longer hold the "
-                                     r"same values: .*change both ends alike"),
+                                     r"lm_head.weight on the last\), one matrix in one process, differ by 0.001 of its "
+                                     r"norm, more than rounding: .*parameter groups chosen by name must put "
+                                     r"lm_head.weight, the last rank's end, with model.embed_tokens.weight.*change both "
+                                     r"ends alike"),
     "embedding-scale-grad-by-freq": (lambda r, w, g: pp.Pipeline(_model_with(
                                          lambda m: setattr(m.model.embed_tokens, "scale_grad_by_freq", True)),
                                          device="cpu", group=g), ValueError,
