@@ -81,21 +81,20 @@ def agree_on_batch(
     given up, so bad input never hangs. `call` names what the user called (see `_gather_checked`).
     """
     error = local_error
-    extra = list(facts)
-    facts = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
+    batch = [-1] * 5  # input batch, input seq, label batch, label seq, target tokens
     try:
         if error is None and input_ids is not None:
             error = _token_tensor_error(input_ids, "input_ids", vocab_size, allow_ignore=False)
             if error is None:
-                facts[0:2] = input_ids.shape
+                batch[0:2] = input_ids.shape
         if error is None and labels is not None:
             error = _token_tensor_error(labels, "labels", vocab_size, allow_ignore=True)
             if error is None:
-                facts[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
+                batch[2:5] = [*labels.shape, int((labels != IGNORE_INDEX).sum())]
     except Exception as e:  # a tensor the checks cannot read: raised on every rank below, not here alone
         error = ValueError(f"the batch could not be checked ({type(e).__name__}: {e}); pass input_ids and labels "
                            "as plain dense tensors of token IDs")
-    rows = _gather_checked(comm, call, error, facts + extra, settings, details)
+    rows = _gather_checked(comm, call, error, batch + list(facts), settings, details)
     inputs = [row[0:2] for row in rows if row[0] >= 0]
     targets = [row[2:5] for row in rows if row[2] >= 0]
     if not inputs or not targets:
@@ -111,7 +110,7 @@ def agree_on_batch(
             f"a batch of {batch_size} sequences does not split into {num_microbatches} equal microbatches; "
             f"use a batch size that is a multiple of num_microbatches"
         )
-    return BatchInfo(batch_size, seq_len, num_targets, tuple(tuple(row[5:]) for row in rows))
+    return BatchInfo(batch_size, seq_len, num_targets, tuple(tuple(row[len(batch):]) for row in rows))
 
 
 _HINTS = {

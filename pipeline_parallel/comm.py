@@ -130,7 +130,7 @@ class PipeComm:
     def exchange_add_(self, tensor: torch.Tensor, is_first: bool) -> None:
         """Add the other end's copy of `tensor` to ours while it adds ours to its own (the two parts of a tied
         weight's gradient); called by the first and last ranks."""
-        tensor.add_(self._swap(tensor, self._other_end(is_first)))
+        tensor.add_(self.other_end(tensor, is_first))
 
     def other_end(self, tensor: torch.Tensor, is_first: bool) -> torch.Tensor:
         """The other end's copy of `tensor` (a tied weight), for ours; called by the first and last ranks."""

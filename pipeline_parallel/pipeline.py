@@ -252,8 +252,9 @@ class Pipeline:
             other = self.comm.other_end(mine, self.is_first)
             difference = float(torch.linalg.vector_norm((mine - other).float())
                                / torch.linalg.vector_norm(mine.float()).clamp_min(torch.finfo(torch.float32).tiny))
-        by_rank = agree_on_settings(self.comm, {}, call=call, facts=[_bits(torch.tensor(difference, dtype=torch.float64))])
-        difference = max(torch.tensor([bits for bits, in by_rank], dtype=torch.int64).view(torch.float64).tolist())
+        measured = _bits(torch.tensor(difference, dtype=torch.float64))
+        by_rank = agree_on_settings(self.comm, {}, call=call, facts=[measured])
+        difference = max(_floats([bits for bits, in by_rank]).tolist())
         rounding = max(4 * torch.finfo(self.activation_dtype).eps, 1e-5)
         if difference > rounding:
             raise ValueError(
@@ -350,7 +351,7 @@ class Pipeline:
         by_rank = agree_on_settings(self.comm, {**fingerprint(**given), "pipeline": self._settings["pipeline"]},
                                     call="clip_grad_norm_()", local_error=error,
                                     facts=[_bits(local), dtype], details={name: {name: v} for name, v in given.items()})
-        norms = torch.tensor([bits for bits, _ in by_rank], dtype=torch.int64, device=self.device).view(torch.float64)
+        norms = _floats([bits for bits, _ in by_rank], self.device)
         dtypes = [_FLOAT_DTYPES[index] for _, index in by_rank if index >= 0]
         total = torch.linalg.vector_norm(norms, norm_type).to(_common_dtype(dtypes))
         torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
@@ -369,8 +370,13 @@ def _values(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(value: torch.Tensor) -> int:
-    """The bits of a float64 scalar as an int64, which `.view(torch.float64)` turns back into it."""
+    """The bits of a float64 scalar as an int64, which `_floats` turns back into it."""
     return value.view(torch.int64).item()
+
+
+def _floats(bits: list[int], device=None) -> torch.Tensor:
+    """The float64 values whose bits `_bits` gave."""
+    return torch.tensor(bits, dtype=torch.int64, device=device).view(torch.float64)
 
 
 _FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]  # of gradients, by index
