@@ -27,6 +27,13 @@ def fingerprint(**settings) -> dict[str, int]:
     return {name: zlib.crc32(repr(_canonical(value)).encode()) & 0x7FFFFFFF for name, value in settings.items()}
 
 
+def mode_setting(model) -> tuple[dict[str, int], dict[str, dict]]:
+    """The model's train or eval mode as a setting the ranks agree on, with its details: a step with dropout on some
+    stages only would be no one process's."""
+    training = getattr(model, "training", None)
+    return fingerprint(mode=training), {"mode": {"model.training": training}}
+
+
 def _canonical(value):
     """`value` with every dict's entries in key order, so equal settings read alike on every rank."""
     if isinstance(value, dict):
@@ -117,6 +124,8 @@ _HINTS = {
     "tied_embedding": "model.lm_head.weight is model.model.embed_tokens.weight on some ranks only; tie them on "
                       "every rank (model.tie_weights()) or on none",
     "pipeline": "the ranks called different Pipelines; every rank must call the Pipeline it built with the others",
+    "mode": "the model is in train mode on some ranks and in eval mode on others, so dropout would act on some "
+            "stages only: call model.train() or model.eval() on every rank alike",
     "max_norm": "every rank must call clip_grad_norm_ with the same max_norm",
     "norm_type": "every rank must call clip_grad_norm_ with the same norm_type",
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .batch import agree_on_batch, fingerprint
+from .batch import agree_on_batch, fingerprint, mode_setting
 from .comm import PipeComm, usable_device
 from .loss import IGNORE_INDEX
 from .models.decoder import DecoderParts, check_shared_parameters, is_tied, model_settings, tied_weight_end
@@ -62,11 +62,12 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
     except Exception as e:  # any: raised here alone, it would leave the other ranks waiting
         error = e
     num_microbatches = len(inputs) if isinstance(inputs, (list, tuple)) else 0
+    mode, mode_details = mode_setting(model)
     settings = fingerprint(schedule=schedule, num_microbatches=num_microbatches, dtype=str(dtype),
                            num_layers=num_layers, model_config=model_config, tied_embedding=tied)
     info = agree_on_batch(comm, input_ids if first else None, labels if last else None, call=call,
-                          vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings=settings,
-                          local_error=error, details={"model_config": model_config})
+                          vocab_size=vocab_size, num_microbatches=max(num_microbatches, 1), settings={**settings, **mode},
+                          local_error=error, details={"model_config": model_config, **mode_details})
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
     for module in parts.modules():

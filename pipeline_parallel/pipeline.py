@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._checks import check_bool, check_int, check_positive, check_seed
-from .batch import agree_on_batch, agree_on_settings, fingerprint
+from .batch import agree_on_batch, agree_on_settings, fingerprint, mode_setting
 from .comm import PipeComm, bits_checksum, default_device, usable_device
 from .loss import IGNORE_INDEX
 from .models.decoder import (DecoderParts, check_shared_parameters, end_weight, is_tied, model_settings,
@@ -208,10 +208,11 @@ class Pipeline:
                 module.training = training
 
     def _run(self, input_ids, labels, training: bool) -> float:
+        mode, details = mode_setting(self.model)
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
-            num_microbatches=self.num_microbatches, settings=self._settings,
+            num_microbatches=self.num_microbatches, settings={**self._settings, **mode}, details=details,
             local_error=self._changed() or (self._training_error() if training else None),
             facts=bits_checksum(self._tied_weight).tolist() if self._tied_weight is not None else [-1] * 3,
         )

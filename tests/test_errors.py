@@ -67,6 +67,14 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
     return (pipe.evaluate if evaluate else pipe.step)(x, y)
 
 
+def _eval_mode_on_rank_0(rank, group):
+    """A model put in eval mode on one rank (to look at it, say) and stepped in train mode on another: the step, with
+    dropout on some stages only, would be no one process's."""
+    pipe = _pipe(group)
+    pipe.model.train(rank != 0)
+    return pipe.step(*_data())
+
+
 def _frozen_at_first_end(group):
     """A tied model whose user froze the embedding by its name, which only the first rank holds."""
     pipe = pp.Pipeline(build("llama", 4, tie=True), device="cpu", group=group, num_microbatches=2)
@@ -462,6 +470,10 @@ PIPELINE_CASES = {
                                    r"every rank must call the Pipeline it built with the others"),
     "two-pipelines-clipped-apart": (lambda r, w, g: _two_pipelines_clipped_apart(r, g), ValueError,
                                     r"the pipeline ranks disagree on 'pipeline': the ranks called different Pipelines"),
+    "eval-mode-on-one-rank": (lambda r, w, g: _eval_mode_on_rank_0(r, g), ValueError,
+                              r"ranks disagree on 'mode' \(model.training: False on rank 0, True on rank 1\): the "
+                              r"model is in train mode on some ranks and in eval mode on others, so dropout would act "
+                              r"on some stages only: call model.train\(\) or model.eval\(\) on every rank alike"),
     "forward-set-on-the-model": (lambda r, w, g: _forward_set_on_the_model(g), ValueError,
                                  r"the model has a forward of its own, set on it \(as accelerate's hooks do\), which a "
                                  r"pipeline never calls"),
@@ -549,6 +561,9 @@ XS, YS = list(X.chunk(2)), list(Y.chunk(2))
 CLASSIC_CASES = {
     "classic-tied-on-some-ranks": (lambda r, w, g: _classic(model=_untied_on_last_rank(r, w)), ValueError,
                                    r"ranks disagree on 'tied_embedding'.*some ranks only; tie them on every rank"),
+    "classic-eval-mode-on-one-rank": (lambda r, w, g: _classic(model=build("llama", 4).train(r != 0)), ValueError,
+                                      r"ranks disagree on 'mode' \(model.training: False on rank 0, True on rank 1\): "
+                                      r"the model is in train mode on some ranks and in eval mode on others"),
     "classic-tied-loaded-with-assign": (lambda r, w, g: _classic(model=_tied_loaded_with_assign()), ValueError,
                                         r"model.embed_tokens.weight \(stage 0\) and lm_head.weight \(stage 1\) are two "
                                         r"Parameters holding the same values.*call model.tie_weights\(\)"),
