@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
 
 def default_device() -> torch.device:
-    """This process's GPU if it has one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This process's GPU if it has one (see `local_gpu`), else the CPU."""
+    return local_gpu() if torch.cuda.is_available() else torch.device("cpu")
+
+
+def local_gpu() -> torch.device:
+    """The GPU of this process's local rank (LOCAL_RANK, as torchrun sets it), else the current one: the processes
+    of a node each take their own, where the current device is cuda:0 in every one of them unless set."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device())
 
 
 def usable_device(device) -> tuple[torch.device, str | None]:
@@ -89,7 +97,8 @@ class PipeComm:
             dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, self.global_ranks[peer], self.group)
             for op, tensor, peer in ops
         ]
-        return dist.batch_isend_irecv(p2p)
+        with self._on_device():
+            return dist.batch_isend_irecv(p2p)
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of ints (same length everywhere), indexed by pp_rank."""
@@ -107,8 +116,14 @@ class PipeComm:
             return [value]
         self.check_in_step()
         values = [None] * self.pp_size
-        dist.all_gather_object(values, value, group=self.group)
+        with self._on_device():
+            dist.all_gather_object(values, value, group=self.group)
         return values
+
+    def _on_device(self):
+        """Inside, this rank's GPU is the current device: NCCL's object collectives carry their bytes on the
+        current device, and its P2P batches expect it set, where it is cuda:0 in every process unless set."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the pipeline ranks, in place."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .comm import local_gpu
 from .config import Config, ConfigError
 
 
@@ -28,7 +29,9 @@ def join_group(cfg: Config) -> bool:
         return False
     with _stop_signals_end_the_process():
         if _use_cuda(cfg):
-            dist.init_process_group("nccl", device_id=_local_gpu())
+            # The current device first: NCCL's object collectives (the settings check) carry their bytes on it.
+            torch.cuda.set_device(local_gpu())
+            dist.init_process_group("nccl", device_id=local_gpu())
         else:
             dist.init_process_group("gloo")
     return True
@@ -48,7 +51,7 @@ def _stop_signals_end_the_process():
 def setup_device(cfg: Config) -> torch.device:
     """This rank's device; on CPU also its share of the node's cores."""
     if _use_cuda(cfg):
-        device = _local_gpu()
+        device = local_gpu()
         torch.cuda.set_device(device)
         return device
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -69,9 +72,6 @@ def _use_cuda(cfg: Config) -> bool:
                           "device = cpu to train on the CPU")
     return use
 
-
-def _local_gpu() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def tell_torchrun(message: str) -> None:

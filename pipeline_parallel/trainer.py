@@ -61,9 +61,9 @@ def _given_tokenizer(cfg: Config) -> str | None:
 _PATIENCE = timedelta(hours=24)
 
 
-def _check_same_settings(cfg: Config) -> None:
+def _check_same_settings(cfg: Config, comm: PipeComm) -> None:
     """Refuse ranks started with different settings: they would hang (max_steps) or silently disagree (lr)."""
-    differ = differences(PipeComm().all_gather_object(settings(cfg)))
+    differ = differences(comm.all_gather_object(settings(cfg)))
     if differ:
         raise ConfigError(f"the ranks were started with different settings: {differ}; launch every rank with "
                           "the same config file and overrides")
@@ -102,7 +102,7 @@ class Trainer:
         self.trained = False  # all steps done and saved: what is left is finish()
         # Waits on one rank's long work (data, export) go through a group of their own with a long timeout.
         self._patient = PipeComm(dist.new_group(backend="gloo", timeout=_PATIENCE) if dist.is_initialized() else None)
-        _check_same_settings(cfg)  # first: then every later error is raised alike on every rank
+        _check_same_settings(cfg, self._patient)  # first: then every later error is raised alike on every rank
         resume_from = self._agreed(self._preflight, "checking the settings", faults=(ConfigError,))
         self.device = setup_device(cfg)
         self.say(f"resolved config:\n{to_toml(cfg)}")
@@ -385,8 +385,11 @@ class Trainer:
 
     def finish(self) -> None:
         """Loss plot, Hugging Face export and a sample on the reporting rank; then leave the group."""
-        # The reporter loads the whole model from the checkpoint alone, in a group of its own.
-        solo = dist.new_group([self.pipe.comm.global_ranks[-1]], backend="gloo") if dist.is_initialized() else None
+        # The reporter loads the whole model from the checkpoint alone, in a group of its own, which only it makes:
+        # made by every rank, a group of one would have the others split NCCL's communicator without it, and hang.
+        solo = None
+        if self.reporter and dist.is_initialized():
+            solo = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
         try:
             if self.reporter:
                 self.metrics.close()

@@ -309,6 +309,30 @@ def test_more_processes_on_a_node_than_gpus_is_a_config_error(monkeypatch, tmp_p
         assert launch.setup_device(make_cfg(tmp_path, corpus, device=device)) == torch.device("cuda", 1)
 
 
+def test_a_gpu_rank_makes_its_gpu_current_before_joining_the_group(monkeypatch, tmp_path, corpus):
+    """NCCL's object collectives (the settings check right after joining) carry their bytes on the current device: left
+    at cuda:0, every process of a node would use GPU 0, and NCCL fails on a device its group is not bound to."""
+    from pipeline_parallel import comm, launch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(launch.dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append(("init_process_group", backend, kwargs)))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launch.join_group(make_cfg(tmp_path, corpus, device="cuda"))
+    gpu = torch.device("cuda", 1)
+    assert calls == [("set_device", gpu), ("init_process_group", "nccl", {"device_id": gpu})]
+    # A Pipeline's default device is the local rank's GPU too, not the current one (cuda:0 unless set).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert comm.default_device() == gpu
+    monkeypatch.delenv("LOCAL_RANK")
+    assert comm.default_device() == torch.device("cuda", 0)
+
+
 def test_each_rank_on_the_cpu_takes_its_share_of_the_node_s_cores_unless_num_threads_is_set(monkeypatch, tmp_path,
                                                                                              corpus):
     """Ranks that each take every core of their node slow each other down; more ranks than cores still need one
