@@ -72,6 +72,7 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
     for module in parts.modules():
         module.to(device=device, dtype=dtype)
+    parts.rotary_emb.to(device)  # its tables stay in float32; left behind, they would be copied there each forward
     stage = PipelineStage(parts, stage_idx, num_stages)
     step = StepData(activation_shape=(info.batch_size // num_microbatches, info.seq_len, model.config.hidden_size),
                     activation_dtype=dtype)

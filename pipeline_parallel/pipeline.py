@@ -83,6 +83,7 @@ class Pipeline:
     which backwards to split with the estimated stage costs (see `schedules.choose_split`).
     `seq_len` is the sequence length the default split of layers is balanced for: attention's
     share of a layer's cost grows with it, the head's does not.
+    `autocast_dtype=torch.bfloat16` computes under autocast, the weights and gradients keeping their dtype.
     `recompute` (activation recomputation) trades compute for memory: a microbatch keeps only its
     stage input from its forward until its backward, which runs the forward again first (with the
     random state it had, so dropout draws alike), so a stage holds one microbatch's activations at a
@@ -90,7 +91,8 @@ class Pipeline:
     backward comes next on its rank keeps its graph (the last stage's in 1F1B). Forward hooks on the
     model fire again in each recomputed forward, as under any activation checkpointing.
     After each step, `last_timeline` holds this rank's (action, start, end) compute times in
-    `time.perf_counter()` seconds, for timelines and `schedules.simulate`, and `last_step_seconds`
+    `time.perf_counter()` seconds (on a GPU, when the device ran the action, by CUDA events), for
+    timelines and `schedules.simulate`, and `last_step_seconds`
     how long its schedule ran (the rank was idle for the rest, waiting on other ranks).
     """
 
@@ -426,8 +428,12 @@ def _check_as_one_process(model: nn.Module) -> None:
 
 
 def _check_autocast_dtype(dtype) -> None:
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None (no autocast), got {dtype!r}")
+    if dtype == torch.float16:  # a logit's gradient is about 1 / (vocabulary x tokens): 1e-9 at 32k each, under 6e-8
+        raise ValueError("autocast_dtype=torch.float16 needs its loss scaled up, or its gradients, below float16's "
+                         "smallest number, come out zero, and a Pipeline does not scale its loss: use torch.bfloat16, "
+                         "which has float32's range, or None (float32)")
+    if dtype is not None and dtype != torch.bfloat16:
+        raise TypeError(f"autocast_dtype must be torch.bfloat16 or None (no autocast), got {dtype!r}")
 
 
 def _parameter_dtypes(model: nn.Module) -> list[tuple[str, str]]:

@@ -29,7 +29,8 @@ class StepData:
     loss_scales: list[float] | None = None
     training: bool = True  # False: forward only, no graph kept (evaluation)
     losses: list[torch.Tensor] = field(default_factory=list)
-    # (action, start, end) of each compute action once its input was there, in time.perf_counter() seconds
+    # (action, start, end) of each compute action once its input was there, in time.perf_counter() seconds (on a
+    # GPU, when the device ran it)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
@@ -47,7 +48,7 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
     zeros in place of results, so no other rank is left waiting for this one; the error is
     returned for `run_step` to raise on every rank.
     """
-    mailbox = _Mailbox(comm, step)
+    mailbox, clock = _Mailbox(comm, step), _Clock(comm.device)
     send_releases = send_releases or {}
     kept_graph = backward_next(program)  # forwards a stage that recomputes keeps the graph of
     error: Exception | None = None
@@ -61,7 +62,7 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
         mailbox.release(send_releases.get(action, ()))
         result = None
         if error is None:
-            start = time.perf_counter()
+            start = clock.now()
             try:
                 result = _compute(action, stage, data, step, action in kept_graph)
             except Exception as e:
@@ -69,14 +70,37 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
                 for each in stages.values():
                     each.clear()  # a failed step must not leak activations into the next one
             else:
-                step.timeline.append((action, start, time.perf_counter()))
+                step.timeline.append((action, start, clock.now()))
         if user_of(action, stage.num_stages) is not None:
             if result is None:  # only after an error: the neighbour still gets the tensor it waits for
                 result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
             mailbox.hand_on(action, result)
     mailbox.post()
     mailbox.finish()
+    step.timeline[:] = [(action, clock.seconds(start), clock.seconds(end)) for action, start, end in step.timeline]
     return error
+
+
+class _Clock:
+    """When compute actions ran, in `time.perf_counter()` seconds. On a GPU the host only queues an action's
+    kernels, so there the times are events on the device's stream, read once the step is done."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.origin, self.host_origin = self.now(), time.perf_counter()
+
+    def now(self):
+        if self.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def seconds(self, mark) -> float:
+        if self.stream is None:
+            return mark
+        mark.synchronize()
+        return self.host_origin + self.origin.elapsed_time(mark) / 1000
 
 
 class _Mailbox:

@@ -281,13 +281,17 @@ PIPELINE_CASES = {
     "schedule-none": (lambda r, w, g: _pipe(g, schedule=None), ValueError,
                       r"unknown schedule None; choose one of \['1f1b', 'afab', 'gpipe'\]"),
     "autocast-dtype-string": (lambda r, w, g: _pipe(g, autocast_dtype="bf16"), TypeError,
-                              r"autocast_dtype must be torch.bfloat16, torch.float16 or None \(no autocast\), "
+                              r"autocast_dtype must be torch.bfloat16 or None \(no autocast\), "
                               r"got 'bf16'"),
     "recompute-string": (lambda r, w, g: _pipe(g, recompute="yes"), ValueError,
                          r"recompute must be True or False, got 'yes'"),
     "recompute-on-rank-1-only": (lambda r, w, g: _pipe(g, recompute=r == 1), ValueError,
                                  r"the pipeline ranks disagree on 'recompute' \(recompute: False on rank 0, True on rank "
                                  r"1\): every rank must construct the pipeline .* with the same recompute"),
+    "autocast-float16": (lambda r, w, g: _pipe(g, autocast_dtype=torch.float16), ValueError,
+                         r"autocast_dtype=torch.float16 needs its loss scaled up, or its gradients, below float16's "
+                         r"smallest number, come out zero, and a Pipeline does not scale its loss: use "
+                         r"torch.bfloat16"),
     "autocast-dtype-on-rank-1-only": (lambda r, w, g: _pipe(g, autocast_dtype=torch.float64 if r == 1 else None),
                                       TypeError, r"pipeline rank 1: autocast_dtype must be .* got torch.float64"),
     "partly-on-meta": (lambda r, w, g: pp.Pipeline(_partly_on_meta(), device="cpu", group=g, num_microbatches=2),
