@@ -244,6 +244,13 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return not _missing_parts(Path(path))
 
 
+def save_identity(path: str | os.PathLike) -> str:
+    """What tells one save from every other: the SHA-256 of its meta.json's content, which names its files' hashes
+    and its place in the save order (the seal, for a sealed one)."""
+    require_complete(Path(path))
+    return json_hash(read_meta(Path(path)))
+
+
 def read_extra(path: str | os.PathLike) -> dict:
     """The `extra` a checkpoint was saved with, without loading any tensor."""
     require_complete(Path(path))

@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ._checkpoint_dirs import (CHECKPOINTS, META, DamagedCheckpointError, clear_leftovers, commit, damaged,
                                file_problems, is_checkpoint, latest_checkpoint, meta_text, next_save_order, published,
-                               read_extra, read_meta, require_complete, rotate, saved_checkpoints)
+                               read_extra, read_meta, require_complete, rotate, save_identity, saved_checkpoints)
 from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 from ._files import atomic_write
 from .comm import PipeComm
 from .models.materialize import shared_parameters
 
 __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
-           "published", "read_extra", "save_checkpoint", "saved_checkpoints"]
+           "published", "read_extra", "save_checkpoint", "save_identity", "saved_checkpoints"]
 
 logger = logging.getLogger(__name__)
 

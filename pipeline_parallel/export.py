@@ -25,7 +25,8 @@ from torch import nn
 
 from ._checkpoint_dirs import refuse_incomplete
 from ._files import replace_dir, temporary_dir
-from .checkpoint import DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra
+from .checkpoint import (DamagedCheckpointError, is_checkpoint, latest_checkpoint, load_checkpoint, read_extra,
+                         save_identity)
 from .models.families import hf_config, with_rope_keys_of_transformers_4
 from .models.materialize import hf_model_on_meta, materialize
 from .tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
@@ -150,9 +151,10 @@ def load_full_model(path: str | Path, group=None) -> tuple[nn.Module, Tokenizer]
 
 
 def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, dtype: str = "fp32",
-                  source: str | Path | None = None) -> Path:
+                  source: str | Path | None = None, checkpoint: str | None = None) -> Path:
     """Write `model` (a full transformers model) as safetensors + config.json + tokenizer into `out_dir`,
-    with the `generation_config.json` of `source` (the Hugging Face model it was trained from) if it has one.
+    with the `generation_config.json` of `source` (the Hugging Face model it was trained from) if it has one,
+    and the `save_identity` of the `checkpoint` it comes from, if any (see `exported_checkpoint`).
 
     Written into a temporary directory and renamed, so `out_dir` is never half written (and a
     failure leaves nothing behind). An existing `out_dir` is replaced only if it is empty or a
@@ -165,7 +167,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
         out_dir = out_dir.resolve()
     tmp = temporary_dir(out_dir)
     try:
-        _write_hf_model(model, tokenizer, tmp, dtype, source)
+        _write_hf_model(model, tokenizer, tmp, dtype, source, checkpoint)
         replace_dir(tmp, out_dir)
     except KeyboardInterrupt as stop:
         if not tmp.exists():  # renamed onto out_dir: only the removal of what it held before was cut short
@@ -176,7 +178,7 @@ def save_hf_model(model: nn.Module, tokenizer: Tokenizer, out_dir: str | Path, d
     return out_dir
 
 
-def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: str, source) -> None:
+def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: str, source, checkpoint) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -195,7 +197,8 @@ def _write_hf_model(model: nn.Module, tokenizer: Tokenizer, tmp: Path, dtype: st
     # Written last, the weights name every file of the export: a later export replaces only those.
     files = sorted([entry.name for entry in tmp.iterdir()] + [WEIGHTS_FILE])
     # The tokenizer it was exported with, which `export_tokenizer` checks: in the metadata, where transformers ignores it.
-    metadata = {"format": "pt", **_EXPORT_MARK, "files": json.dumps(files), "tokenizer": json.dumps(tokenizer_record(tokenizer))}
+    metadata = {"format": "pt", **_EXPORT_MARK, "files": json.dumps(files),
+                "tokenizer": json.dumps(tokenizer_record(tokenizer)), **({"checkpoint": checkpoint} if checkpoint else {})}
     try:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata=metadata)
     except SafetensorError as e:  # its I/O errors (a full disk) are no OSError, which the callers say what to do about
@@ -313,8 +316,15 @@ def export(path: str | Path, out_dir: str | Path | None = None, dtype: str = "fp
     out_dir = Path(out_dir) if out_dir is not None else checkpoint.parent.parent / EXPORT_DIR
     source = read_extra(checkpoint).get("hf_model")
     check_replaceable(out_dir, source)  # before the (long) load, not after it
+    identity = save_identity(checkpoint)
     model, tokenizer = load_full_model(checkpoint, group)
-    return save_hf_model(model, tokenizer, out_dir, dtype, source), model, tokenizer
+    return save_hf_model(model, tokenizer, out_dir, dtype, source, identity), model, tokenizer
+
+
+def exported_checkpoint(out_dir: str | Path) -> str | None:
+    """The `save_identity` of the checkpoint the export in `out_dir` was made of; None where there is no export,
+    or one made otherwise (`save_hf_model` without a checkpoint, an earlier version)."""
+    return (_export_metadata(Path(out_dir)) or {}).get("checkpoint")
 
 
 def export_command(checkpoint: str | Path, out: str | Path | None = None, dtype: str = "fp32") -> str:

@@ -10,9 +10,9 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import latest_checkpoint, save_identity
 from .config import Config, ConfigError, parse_args
-from .export import export_command
+from .export import EXPORT_DIR, export_command, exported_checkpoint
 from .launch import Interrupted, forget_stop, stop_asked, stop_signals_raise, tell_torchrun, world_size
 from .resume import RunComplete
 from .trainer import CheckpointNotSaved, Trainer, TrainingDiverged
@@ -54,7 +54,10 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
             checkpoint = None
     if getattr(stop, "trained", False):  # while exporting or sampling
         where = f"training had ended, and {checkpoint} holds its last step"
-        if cfg.export.at_end:
+        export_dir = Path(cfg.run_dir) / EXPORT_DIR
+        if cfg.export.at_end and _exported(checkpoint, export_dir):  # stopped in the sample that follows the export
+            where += f", exported to {export_dir}"
+        elif cfg.export.at_end:
             where += f"; to export it: {export_command(checkpoint, dtype=cfg.export.dtype)}"
     elif checkpoint is None:
         where = "it saved no checkpoint yet, so the same command starts it again"
@@ -66,6 +69,14 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
     else:  # the same command would start from `resume` again (or refuse a run_dir that holds a run)
         where = f"run the same command with --resume latest to resume from its latest checkpoint, {checkpoint}"
     return f"interrupted by {signal.Signals(stop.signum).name}: {where}"
+
+
+def _exported(checkpoint: Path, export_dir: Path) -> bool:
+    """Whether `export_dir` holds the export of `checkpoint`, as the last rank wrote it to the directory all share."""
+    try:
+        return exported_checkpoint(export_dir) == save_identity(checkpoint)
+    except (OSError, ValueError):  # the checkpoint damaged or gone since: the message says how to export it
+        return False
 
 
 _FAILURES = (ConfigError, TrainingDiverged, CheckpointNotSaved)  # raised alike on every rank; end with one line

@@ -753,6 +753,17 @@ def test_a_run_interrupted_after_its_last_step_says_how_to_export_it(corpus, tmp
     import pipeline_parallel.run_end as run_end
 
     config = tmp_path / "run.toml"
+    # Stopped in the sample after the export: it is told the export is in place, not how to make one.
+    config.write_text(to_toml(make_cfg(tmp_path / "sampled", corpus, **{"export.at_end": True,
+                                                                        "export.sample_tokens": 4})))
+    with monkeypatch.context() as patched:
+        patched.setattr(run_end, "sample", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", str(config)])
+    last = tmp_path / "sampled" / "checkpoints" / "step_000006"
+    assert capsys.readouterr().err == (f"interrupted by SIGINT: training had ended, and {last} holds its last step, "
+                                       f"exported to {tmp_path / 'sampled' / 'export'}\n")
+    # Stopped while exporting: told how to export.
     config.write_text(to_toml(make_cfg(tmp_path / "run", corpus, **{"export.at_end": True, "export.dtype": "bf16"})))
     monkeypatch.setattr(run_end, "export", lambda *args, **kwargs: _stop_by_signal(signal.SIGINT))
     with pytest.raises(SystemExit) as exit_info:
