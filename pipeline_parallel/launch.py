@@ -73,7 +73,6 @@ def _use_cuda(cfg: Config) -> bool:
     return use
 
 
-
 def tell_torchrun(message: str) -> None:
     """Write `message` where torchrun reads this rank's error, so its failure report shows it rather than a link
     to its docs, whichever rank it finds failed first (even one that printed nothing). As torch's

@@ -92,8 +92,8 @@ class Pipeline:
     model fire again in each recomputed forward, as under any activation checkpointing.
     After each step, `last_timeline` holds this rank's (action, start, end) compute times in
     `time.perf_counter()` seconds (on a GPU, when the device ran the action, by CUDA events), for
-    timelines and `schedules.simulate`, and `last_step_seconds`
-    how long its schedule ran (the rank was idle for the rest, waiting on other ranks).
+    timelines and `schedules.simulate`, and `last_step_seconds` how long its schedule ran (the rank
+    was idle for the rest, waiting on other ranks).
     """
 
     def __init__(
