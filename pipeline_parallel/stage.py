@@ -14,6 +14,16 @@ from .models.decoder import DecoderParts
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
+# In one process, a layer under reentrant checkpointing whose input does not require grad (after a frozen embedding)
+# gives no gradient, nor does any layer after it; the next stage, whose input requires grad, would train its own.
+_GRAPH_CUT = (
+    "the output of stage {stage} does not require grad although its layers hold parameters that do: its forward cut "
+    "the autograd graph, as activation checkpointing with use_reentrant=True does for a layer whose input does not "
+    "require grad (after a frozen embedding). In one process no later layer would get a gradient either, while the "
+    "next stage would train its own; call model.enable_input_require_grads() (transformers 4 does so only for PEFT "
+    "models), or checkpoint with use_reentrant=False")
+
+
 class PipelineStage:
     """Runs `parts` on microbatches; the last stage also computes the scaled loss, and when no hook
     watches its head, runs the head's backward by hand (`loss.HeadLoss`).
@@ -69,7 +79,12 @@ class PipelineStage:
             out = self.parts.forward(x)
             if self.is_last:
                 out = loss_sum(out, labels) * loss_scale
+        if graph and not self.is_last and not out.requires_grad and self._layers_train():
+            raise ValueError(_GRAPH_CUT.format(stage=self.stage_idx))
         return out.detach(), _Saved(x, out, seen) if graph else None
+
+    def _layers_train(self) -> bool:
+        return any(p.requires_grad for _, layer in self.parts.layers for p in layer.parameters())
 
     def _take_saved(self, mb: int) -> _Saved:
         """What microbatch `mb`'s backward needs; a forward that kept no graph runs again, as it ran, to make it."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
-from _models import VOCAB, build, full_loss, layer_ranges, make_batch
+from _models import VOCAB, build, enable_checkpointing, full_loss, layer_ranges, make_batch
 from torch import nn
 
 import pipeline_parallel as pp
@@ -65,6 +65,18 @@ def _step_with(group, x=None, y=None, evaluate=False, **kwargs):
     x = good_x if x is None else x
     y = good_y if y is None else y
     return (pipe.evaluate if evaluate else pipe.step)(x, y)
+
+
+def _reentrant_checkpointing_after_a_frozen_embedding(group):
+    """Reentrant activation checkpointing after a frozen embedding, as transformers 4 leaves it: in one process no
+    layer gets a gradient (each one's input does not require grad); the second stage, whose input does, would train
+    its layers."""
+    model = build("llama", 4)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    enable_checkpointing(model, reentrant=True)
+    if hasattr(model, "_require_grads_hook"):  # transformers 5 makes the embedding's output require grad, 4 does not
+        model.disable_input_require_grads()
+    return pp.Pipeline(model, num_microbatches=2, device="cpu", group=group).step(*_data())
 
 
 def _eval_mode_on_rank_0(rank, group):
@@ -478,6 +490,11 @@ PIPELINE_CASES = {
                               r"ranks disagree on 'mode' \(model.training: False on rank 0, True on rank 1\): the "
                               r"model is in train mode on some ranks and in eval mode on others, so dropout would act "
                               r"on some stages only: call model.train\(\) or model.eval\(\) on every rank alike"),
+    "reentrant-checkpointing-after-a-frozen-embedding": (
+        lambda r, w, g: _reentrant_checkpointing_after_a_frozen_embedding(g), (ValueError, RuntimeError),
+        r"the output of stage 0 does not require grad although its layers hold parameters that do: its forward cut "
+        r"the autograd graph, as activation checkpointing with use_reentrant=True does .*call "
+        r"model.enable_input_require_grads\(\)"),
     "forward-set-on-the-model": (lambda r, w, g: _forward_set_on_the_model(g), ValueError,
                                  r"the model has a forward of its own, set on it \(as accelerate's hooks do\), which a "
                                  r"pipeline never calls"),
