@@ -135,13 +135,18 @@ def _stop_signals_handled_by(handler):
 
 def _on_signal(signum, frame) -> None:
     # A second signal (torchrun hands on the Ctrl-C a rank got too, then sends SIGTERM) must not cut the
-    # cleanup short: it finds a handler that does nothing (SIG_IGN would print a race-condition warning). One
-    # the launcher ignores stays SIG_IGN, which the processes started later inherit.
+    # cleanup short.
+    ignore_stops()
+    _stops.append(Interrupted(signum))
+    raise _stops[0]
+
+
+def ignore_stops() -> None:
+    """From now on SIGINT and SIGTERM find a handler that does nothing (SIG_IGN would print a race-condition
+    warning). One the launcher ignores stays SIG_IGN, which the processes started later inherit."""
     for each in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(each) != signal.SIG_IGN:
             signal.signal(each, _ignore)
-    _stops.append(Interrupted(signum))
-    raise _stops[0]
 
 
 def _ignore(signum, frame) -> None:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from .checkpoint import latest_checkpoint, save_identity
 from .config import Config, ConfigError, parse_args
 from .export import EXPORT_DIR, export_command, exported_checkpoint
-from .launch import Interrupted, forget_stop, stop_asked, stop_signals_raise, tell_torchrun, world_size
+from .launch import (Interrupted, forget_stop, ignore_stops, stop_asked, stop_signals_raise, tell_torchrun,
+                     world_size)
 from .resume import RunComplete
 from .trainer import CheckpointNotSaved, Trainer, TrainingDiverged
 
@@ -141,5 +142,15 @@ def _run_to_its_end(cfg: Config, rank: int) -> None:
     _fail(f"error: {stop}", 2 if isinstance(stop, ConfigError) else 1, show=rank == 0)
 
 
+def program(argv: list[str] | None = None) -> None:
+    """`main` as this process's whole program (a torchrun worker, the console script): once it ends, a stop signal
+    that comes while the interpreter shuts down, such as torchrun's copy of a Ctrl-C the rank got too, is let go.
+    Raised there, it printed a traceback after the run's one line, or made a finished rank's exit a failure."""
+    try:
+        main(argv)
+    finally:
+        ignore_stops()
+
+
 if __name__ == "__main__":
-    main()
+    program()
