@@ -30,8 +30,9 @@ def join_group(cfg: Config) -> bool:
     with _stop_signals_end_the_process():
         if _use_cuda(cfg):
             # The current device first: NCCL's object collectives (the settings check) carry their bytes on it.
-            torch.cuda.set_device(local_gpu())
-            dist.init_process_group("nccl", device_id=local_gpu())
+            gpu = local_gpu()
+            torch.cuda.set_device(gpu)
+            dist.init_process_group("nccl", device_id=gpu)
         else:
             dist.init_process_group("gloo")
     return True

@@ -55,11 +55,10 @@ def _interrupted(cfg: Config, stop: Interrupted) -> str:
             checkpoint = None
     if getattr(stop, "trained", False):  # while exporting or sampling
         where = f"training had ended, and {checkpoint} holds its last step"
-        export_dir = Path(cfg.run_dir) / EXPORT_DIR
-        if cfg.export.at_end and _exported(checkpoint, export_dir):  # stopped in the sample that follows the export
-            where += f", exported to {export_dir}"
-        elif cfg.export.at_end:
-            where += f"; to export it: {export_command(checkpoint, dtype=cfg.export.dtype)}"
+        if cfg.export.at_end:  # stopped while exporting, or in the sample after the export
+            export_dir = Path(cfg.run_dir) / EXPORT_DIR
+            where += (f", exported to {export_dir}" if _exported(checkpoint, export_dir)
+                      else f"; to export it: {export_command(checkpoint, dtype=cfg.export.dtype)}")
     elif checkpoint is None:
         where = "it saved no checkpoint yet, so the same command starts it again"
     elif cfg.resume in ("auto", "latest"):
