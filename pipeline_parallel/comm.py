@@ -142,22 +142,23 @@ class PipeComm:
             for work in self.post([("send" if is_first else "recv", tensor, peer)]):
                 work.wait()
 
-    def exchange_add_(self, tensor: torch.Tensor, is_first: bool) -> None:
-        """Add the other end's copy of `tensor` to ours while it adds ours to its own (the two parts of a tied
-        weight's gradient); called by the first and last ranks."""
-        tensor.add_(self.other_end(tensor, is_first))
+    def exchange_add_(self, tensor: torch.Tensor, is_first: bool, into: torch.Tensor | None = None) -> None:
+        """Add the other end's copy of `tensor` (received in `into`, if given) to ours while it adds ours to its own
+        (the two parts of a tied weight's gradient); called by the first and last ranks."""
+        tensor.add_(self.other_end(tensor, is_first, into))
 
-    def other_end(self, tensor: torch.Tensor, is_first: bool) -> torch.Tensor:
-        """The other end's copy of `tensor` (a tied weight), for ours; called by the first and last ranks."""
-        return self._swap(tensor, self._other_end(is_first))
+    def other_end(self, tensor: torch.Tensor, is_first: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The other end's copy of `tensor` (a tied weight; in `into`, if given), for ours; called by the first and
+        last ranks."""
+        return self._swap(tensor, self._other_end(is_first), into)
 
     def _other_end(self, is_first: bool) -> int:
         """The last rank for the first, the first for the last: the two ends of a tied weight."""
         return self.pp_size - 1 if is_first else 0
 
-    def _swap(self, tensor: torch.Tensor, peer: int) -> torch.Tensor:
-        """The peer's copy of `tensor`, for ours."""
-        received = torch.empty_like(tensor)
+    def _swap(self, tensor: torch.Tensor, peer: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The peer's copy of `tensor` (in `into`, if given), for ours."""
+        received = torch.empty_like(tensor) if into is None else into
         for work in self.post([("send", tensor, peer), ("recv", received, peer)]):
             work.wait()
         return received

@@ -18,7 +18,7 @@ from .models.decoder import (DecoderParts, check_shared_parameters, end_weight, 
 from .models.families import check_layout
 from .models.materialize import keep_local_part, materialize, weights_on_meta
 from .partition import balanced_layer_counts, check_layer_counts, estimate_costs, layer_ranges, stage_costs
-from .runtime import StepData, run_step
+from .runtime import StepData, attempt, run_step
 from .schedules import build_schedule, schedule_name, send_releases
 from .schedules.split import planned_duration
 from .stage import PipelineStage, inference_mode_error
@@ -249,14 +249,19 @@ class Pipeline:
         """Make the tied embedding's two ends, which differ, one matrix again, as one process holds it: the head takes
         the embedding where they differ by rounding (an optimizer's arithmetic otherwise ordered on each end, its
         stochastic rounding); where by more, something changed one end alone, and every rank raises."""
-        difference, other = -1.0, None
+        difference, other, error = -1.0, None, None
         if self._tied_weight is not None:
             mine = self._tied_weight.detach()
-            other = self.comm.other_end(mine, self.is_first)
-            difference = float(torch.linalg.vector_norm((mine - other).float())
-                               / torch.linalg.vector_norm(mine.float()).clamp_min(torch.finfo(torch.float32).tiny))
-        measured = _bits(torch.tensor(difference, dtype=torch.float64))
-        by_rank = agree_on_settings(self.comm, {}, call=call, facts=[measured])
+            other, error = attempt(lambda: torch.empty_like(mine))
+        # each end has room for the other's copy before they swap, or every rank raises: none waits for it
+        agree_on_settings(self.comm, {}, call=call, local_error=error)
+        if self._tied_weight is not None:
+            self.comm.other_end(mine, self.is_first, into=other)
+            difference, error = attempt(lambda: float(
+                torch.linalg.vector_norm((mine - other).float())
+                / torch.linalg.vector_norm(mine.float()).clamp_min(torch.finfo(torch.float32).tiny)))
+        measured = _bits(torch.tensor(-1.0 if error else difference, dtype=torch.float64))
+        by_rank = agree_on_settings(self.comm, {}, call=call, local_error=error, facts=[measured])
         difference = max(_floats([bits for bits, in by_rank]).tolist())
         rounding = max(4 * torch.finfo(self.activation_dtype).eps, 1e-5)
         if difference > rounding:

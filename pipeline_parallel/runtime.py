@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -44,14 +45,13 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
     provably taken by then, and those nothing proves taken, where waiting cannot deadlock (see
     `schedules.send_releases`).
 
-    If a compute action raises, the rest of the program still makes every transfer, handing on
-    zeros in place of results, so no other rank is left waiting for this one; the error is
-    returned for `run_step` to raise on every rank.
+    If a compute action raises, or the device has no memory for a tensor to transfer, the rest of
+    the program still makes every transfer, handing on zeros in place of results, so no other rank
+    is left waiting for this one; the error is returned for `run_step` to raise on every rank.
     """
-    mailbox, clock = _Mailbox(comm, step), _Clock(comm.device)
+    mailbox, clock = _Mailbox(comm, step, stages), _Clock(comm.device)
     send_releases = send_releases or {}
     kept_graph = backward_next(program)  # forwards a stage that recomputes keeps the graph of
-    error: Exception | None = None
     for action in program:
         if action.kind.is_comm:
             mailbox.queue(action)
@@ -61,24 +61,22 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
         data = mailbox.take(action, stage.num_stages)
         mailbox.release(send_releases.get(action, ()))
         result = None
-        if error is None:
+        if mailbox.error is None:
             start = clock.now()
             try:
                 result = _compute(action, stage, data, step, action in kept_graph)
+                result = None if result is None else result.contiguous()  # a layer may not make it so; sends need it
             except Exception as e:
-                error = e
-                for each in stages.values():
-                    each.clear()  # a failed step must not leak activations into the next one
+                result = None
+                mailbox.fail(e)
             else:
                 step.timeline.append((action, start, clock.now()))
         if user_of(action, stage.num_stages) is not None:
-            if result is None:  # only after an error: the neighbour still gets the tensor it waits for
-                result = torch.zeros(step.activation_shape, dtype=step.activation_dtype, device=comm.device)
             mailbox.hand_on(action, result)
     mailbox.post()
     mailbox.finish()
     step.timeline[:] = [(action, clock.seconds(start), clock.seconds(end)) for action, start, end in step.timeline]
-    return error
+    return mailbox.error
 
 
 class _Clock:
@@ -108,11 +106,13 @@ class _Mailbox:
     this rank), comm actions waiting to be posted, and receives on their way.
 
     Sends are kept until they complete (or `release` finds them taken), so their tensors stay
-    alive, and all transfers are waited for by `finish`.
+    alive, and all transfers are waited for by `finish`. Once the step has failed (`fail`), the
+    transfers go on with zeros in place of results.
     """
 
-    def __init__(self, comm: PipeComm, step: StepData):
-        self.comm, self.step = comm, step
+    def __init__(self, comm: PipeComm, step: StepData, stages: dict[int, PipelineStage]):
+        self.comm, self.step, self.stages = comm, step, stages
+        self.error: Exception | None = None  # the step's first failure on this rank
         self.queued: list[Action] = []  # comm actions not posted yet
         self.produced: dict[Action, torch.Tensor] = {}  # results for neighbours, by `result_of`
         self.received: dict[Action, tuple[torch.Tensor, _Transfers]] = {}  # by RECV action
@@ -122,9 +122,32 @@ class _Mailbox:
     def queue(self, action: Action) -> None:
         self.queued.append(action)
 
-    def hand_on(self, action: Action, result: torch.Tensor) -> None:
-        """Keep a compute action's result for its SEND, or for the neighbouring stage on this rank."""
-        self.produced[result_of(action)] = result.contiguous()  # as a layer may not make it; sends need it
+    def fail(self, error: Exception) -> None:
+        """Mark the step failed (its first error is kept) and free its activations: nothing of a failed step may
+        leak into the next one, and the transfers still to come may need their memory."""
+        self.error = self.error or error
+        if isinstance(error, torch.OutOfMemoryError):  # what its frames held goes too (the traceback stays)
+            traceback.clear_frames(error.__traceback__)
+        for stage in self.stages.values():
+            stage.clear()
+
+    def hand_on(self, action: Action, result: torch.Tensor | None) -> None:
+        """Keep a compute action's result for its SEND, or for the neighbouring stage on this rank; zeros in place
+        of one a failed step did not compute, as the neighbour still waits for a tensor."""
+        self.produced[result_of(action)] = result if result is not None else self._allocated(self._zeros)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.step.activation_shape, dtype=self.step.activation_dtype, device=self.comm.device)
+
+    def _allocated(self, make):
+        """`make()`'s new tensor. Should the device have no memory for it, the step fails (`fail` frees the
+        activations) and `make` is tried again: the transfer must still be made, or a peer would wait for it
+        until the backend's timeout."""
+        tensor, error = attempt(make)
+        if error is not None:
+            self.fail(error)
+            tensor = make()
+        return tensor
 
     def post(self) -> None:
         """Start the queued sends and receives as one batch."""
@@ -135,8 +158,8 @@ class _Mailbox:
             if action.kind.is_send:
                 ops.append(("send", self.produced.pop(sent_by(action)), peer))
             else:
-                buffer = torch.empty(self.step.activation_shape, dtype=self.step.activation_dtype,
-                                     device=self.comm.device)
+                buffer = self._allocated(lambda: torch.empty(self.step.activation_shape,
+                                                             dtype=self.step.activation_dtype, device=self.comm.device))
                 ops.append(("recv", buffer, peer))
         if not ops:
             return
@@ -267,12 +290,21 @@ def run_step(
         tied_weight.grad = None  # this step's part alone is exchanged
     try:
         error = _run_program(program, stages, comm, step, send_releases)
+        if tied:  # its memory is taken before the ranks agree, so that a device without it fails the step clearly
+            this_step, other_end, error = _tied_exchange_buffers(tied_weight, error)
+        # [loss, failed ranks, frozen ends of a tied weight, ranks with a parameter to train], summed
+        outcome = torch.zeros(4, dtype=torch.float64, device=comm.device)
+        if error is not None:
+            outcome[1] = 1
+        elif holds_last:
+            outcome[0] = torch.stack(step.losses).sum().detach()
+        outcome[2] = frozen
+        outcome[3] = any(p.requires_grad for stage in stages.values() for p in stage.parts.parameters())
+        loss, failed, frozen_ends, training_ranks = comm.all_reduce(outcome).tolist()
         if tied:
-            this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
-            if this_step.is_sparse:  # an embedding made sparse: sent, and added to the head's, dense
-                this_step = this_step.to_dense()
-            comm.exchange_add_(this_step, holds_first)
-            if frozen:
+            if not failed:
+                comm.exchange_add_(this_step, holds_first, other_end)
+            if frozen or this_step is None:  # frozen: as on one process; None: a failed step without its part
                 tied_weight.grad = accumulated
             else:
                 tied_weight.grad = this_step if accumulated is None else accumulated.add_(this_step)
@@ -282,15 +314,6 @@ def run_step(
         if comm.pp_size > 1:  # transfers of this step may still be posted: no later one can be trusted
             comm.broken_by = f"{type(e).__name__}: {e}".rstrip(": ")
         raise
-    # [loss, failed ranks, frozen ends of a tied weight, ranks with a parameter to train], summed
-    outcome = torch.zeros(4, dtype=torch.float64, device=comm.device)
-    if error is not None:
-        outcome[1] = 1
-    elif holds_last:
-        outcome[0] = torch.stack(step.losses).sum().detach()
-    outcome[2] = frozen
-    outcome[3] = any(p.requires_grad for stage in stages.values() for p in stage.parts.parameters())
-    loss, failed, frozen_ends, training_ranks = comm.all_reduce(outcome).tolist()
     if failed:
         _raise_step_failure(comm, error)
     if step.training and not training_ranks:  # as one process's backward fails, not a step that trains nothing
@@ -305,6 +328,30 @@ def run_step(
             "between the ends, so call zero_grad() before the next step"
         )
     return loss
+
+
+def _tied_exchange_buffers(tied_weight: torch.Tensor, error: Exception | None):
+    """This step's gradient of a tied weight (dense) and a buffer for the other end's, or, where the device has no
+    memory for them, None and the step's error (its first one kept)."""
+    def make():
+        this_step = tied_weight.grad if tied_weight.grad is not None else torch.zeros_like(tied_weight)
+        if this_step.is_sparse:  # an embedding made sparse: sent, and added to the head's, dense
+            this_step = this_step.to_dense()
+        return this_step, torch.empty_like(this_step)
+
+    buffers, failure = attempt(make)
+    return *(buffers or (None, None)), error or failure
+
+
+def attempt(make):
+    """(`make()`, None), or (None, the error it raised), the error's frames cleared of their variables so that the
+    memory they held is free: for memory a rank must take before its peers go on, so that a device without it fails
+    every rank clearly rather than leaving them waiting for this one."""
+    try:
+        return make(), None
+    except Exception as e:  # torch.OutOfMemoryError, mostly
+        traceback.clear_frames(e.__traceback__)
+        return None, e
 
 
 def _raise_step_failure(comm: PipeComm, error: Exception | None) -> None:

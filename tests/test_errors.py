@@ -6,6 +6,7 @@ that gave up shows up as a gloo timeout in that case's result instead of hanging
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import re
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
-from _models import VOCAB, build, enable_checkpointing, full_loss, layer_ranges, make_batch
+from _models import HIDDEN, VOCAB, build, enable_checkpointing, full_loss, grads, layer_ranges, make_batch
 from torch import nn
 
 import pipeline_parallel as pp
@@ -856,6 +857,87 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
         second[1]), second
     for loss, ref_loss, diff, saved in (results_0, results_1):
         assert loss == pytest.approx(ref_loss, abs=1e-5) and diff < 1e-5 and saved == 0
+
+
+@contextlib.contextmanager
+def _out_of_memory(function: str, shape: tuple[int, ...], nth: int):
+    """`torch.<function>`'s `nth` call making a tensor of `shape` raises torch.OutOfMemoryError, as a full GPU would;
+    yields the list of such calls."""
+    real, calls = getattr(torch, function), []
+
+    def fake(*args, **kwargs):
+        made = (args[0].shape if function.endswith("_like") else
+                args[0] if args and not isinstance(args[0], int) else args)  # torch.empty((2, 3)) or (2, 3)
+        if tuple(made) == shape:
+            calls.append(shape)
+            if len(calls) == nth:
+                raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return real(*args, **kwargs)
+
+    setattr(torch, function, fake)
+    try:
+        yield calls
+    finally:
+        setattr(torch, function, real)
+
+
+_ACTIVATION, _EMBEDDING = (2, 6, HIDDEN), (VOCAB, HIDDEN)
+_OUT_OF_MEMORY = {  # where the memory runs out: (rank, torch function, shape, its nth call there)
+    "a receive buffer for an activation": (1, "empty", _ACTIVATION, 2),
+    "a receive buffer for a gradient": (0, "empty", _ACTIVATION, 1),
+    "the buffer of the tied gradient's exchange": (1, "empty_like", _EMBEDDING, 1),
+    "the buffer of the tied ends' comparison": (0, "empty_like", _EMBEDDING, 1),
+}
+
+
+def _out_of_memory_worker(rank, world_size):
+    """Each case of `_OUT_OF_MEMORY` in one step, then a clean step. For the last, the ends of the tied embedding
+    differ by rounding, which the step mends first. The group's short timeout would turn a rank left waiting into a
+    "Timed out" error."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    model = build("llama", 4, tie=True)
+    ref = copy.deepcopy(model)
+    pipe = pp.Pipeline(model, num_microbatches=4, device="cpu", group=group)
+    x, y = make_batch(8, 6, num_microbatches=4)
+    results = {}
+    for case, (failing_rank, function, shape, nth) in _OUT_OF_MEMORY.items():
+        if "comparison" in case and rank == 1:
+            with torch.no_grad():
+                pipe.model.lm_head.weight.mul_(1 + 1e-7)
+        with _out_of_memory(function, shape, nth if rank == failing_rank else 0) as calls:
+            try:
+                pipe.step(x, y)
+                failure = None
+            except Exception as e:
+                failure = type(e).__name__, str(e)
+        pipe.zero_grad(), ref.zero_grad()
+        loss = pipe.step(x, y)
+        ref_loss = full_loss(ref, x, y)
+        ref_loss.backward()
+        expected = grads(ref)
+        diff = max((p.grad - expected[n]).abs().max().item() for n, p in pipe.named_parameters())
+        results[case] = failure, len(calls), loss - ref_loss.item(), diff, pipe.stage.num_saved
+        pipe.zero_grad()
+    return results
+
+
+def test_a_device_out_of_memory_for_a_transfer_fails_every_rank_and_the_next_step_is_exact():
+    """Where a rank has no memory for a tensor it sends or receives (on a GPU, a receive buffer or the tied
+    embedding's gradient from the other end), every rank raises at once, naming it, rather than waiting for that
+    rank until the backend's timeout; after zero_grad the pipeline trains exactly again."""
+    by_rank = run_distributed(_out_of_memory_worker, 2, timeout=TIMEOUT)
+    for case, (failing_rank, *_, nth) in _OUT_OF_MEMORY.items():
+        failures = [results[case][0] for results in by_rank]
+        assert by_rank[failing_rank][case][1] >= nth, (case, "the memory did not run out")
+        assert failures[failing_rank] == ("OutOfMemoryError", "CUDA out of memory (a test)"), (case, failures)
+        other = failures[1 - failing_rank]
+        said = ("pipeline rank {}: OutOfMemoryError: " if "comparison" in case else
+                "pipeline rank {} failed during the step \\(OutOfMemoryError: ").format(failing_rank)
+        assert other[0] == "RuntimeError" and re.match(said + "CUDA out of memory \\(a test\\)", other[1]), (
+            case, failures)
+        for results in by_rank:
+            _, _, loss_diff, diff, saved = results[case]
+            assert abs(loss_diff) < 1e-5 and diff < 1e-5 and saved == 0, (case, results[case])
 
 
 def _interrupted_mid_step_worker(rank, world_size):
