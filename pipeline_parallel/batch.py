@@ -192,7 +192,7 @@ def differences(by_rank: list[dict]) -> str:
 
 def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: list[int]) -> None:
     """Raise the first failing rank's error on every rank: a check's (a message, a TypeError or a ValueError) as
-    itself; another (out of memory, say) as it is where it happened and as a RuntimeError naming it elsewhere."""
+    itself; another (out of memory, say) as a RuntimeError naming it, but on each rank that failed so, its own."""
     if error is None:
         local = None
     elif isinstance(error, TypeError):
@@ -202,7 +202,7 @@ def _raise_shared_error(comm: PipeComm, error: str | Exception | None, failed: l
     else:
         local = ("other", f"{type(error).__name__}: {error}")
     kind, message = comm.all_gather_object(local)[failed[0]]
-    if kind == "other" and comm.pp_rank == failed[0]:
+    if local is not None and local[0] == "other":
         raise error
     prefix = "" if comm.pp_size == 1 else f"pipeline rank {failed[0]}: "
     raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(prefix + message)

@@ -160,16 +160,17 @@ class _EmbeddingWrapper(nn.Module):
         return self.inner(ids)
 
 
-def _out_of_memory_in(step: str, rank, group, failing_rank):
-    """A stage that cannot be made on one rank, its memory run out in `step` (a name in pipeline.py): the others
+def _out_of_memory_in(step: str, rank, group, *failing_ranks):
+    """A stage that cannot be made on some ranks, its memory run out in `step` (a name in pipeline.py): the others
     waited out the group's timeout."""
     import pipeline_parallel.pipeline as pipeline_module
 
     def out_of_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes")
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes on rank "
+                           f"{rank}")
 
     real = getattr(pipeline_module, step)
-    if rank == failing_rank:
+    if rank in failing_ranks:
         setattr(pipeline_module, step, out_of_memory)
     try:
         return pp.Pipeline(build("llama", 4, meta=True), device="cpu", group=group, num_microbatches=2)
@@ -1145,6 +1146,23 @@ def test_where_several_ranks_fail_the_others_name_the_first():
         "are incomplete: call zero_grad() before the next step"])] * 2
     assert first[0] == "RuntimeError" and first[1].startswith("pipeline rank 1 failed during the step (RuntimeError: "
                                                               "boom)"), first
+
+
+def _out_of_memory_on_two_ranks_worker(rank, world_size):
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    try:
+        _out_of_memory_in("PipelineStage", rank, group, 1, 2)
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_where_several_ranks_fail_to_make_their_stages_each_raises_its_own_error():
+    """Out of memory on ranks 1 and 2 while they make their stages: each raises its own error, as a failed step's
+    ranks do, and rank 0 one that names rank 1, the first."""
+    said = run_distributed(_out_of_memory_on_two_ranks_worker, 3, timeout=TIMEOUT)
+    allocator = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9999 bytes on rank {}"
+    assert said == [("RuntimeError", "pipeline rank 1: RuntimeError: " + allocator.format(1)),
+                    ("RuntimeError", allocator.format(1)), ("RuntimeError", allocator.format(2))], said
 
 
 def test_a_single_process_error_names_no_pipeline_rank():
