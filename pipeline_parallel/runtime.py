@@ -172,7 +172,9 @@ class _Mailbox:
         for action, (_, tensor, _), handle in zip(queued, ops, handles):
             if action.kind.is_recv:
                 self.received[action] = (tensor, handle)
-            elif own_handles:  # a batch's handle may cover receives still to come: not one to `release`
+            # A batch's handle may cover receives still to come: not one to `release`. Nor is a GPU's: its backend
+            # holds the tensor until the send is done, and a wait would make the compute stream wait for the peer.
+            elif own_handles and self.comm.device.type == "cpu":
                 self.sending[action] = handle
         # Forget transfers that have finished, so sent activations are not held to the end of the step.
         # (gloo's handles report completion only once waited: there `release` waits for the sends.)
@@ -182,8 +184,8 @@ class _Mailbox:
     def release(self, sends: tuple[Action, ...]) -> None:
         """Wait for `sends` and let go of their tensors. Their receivers have taken them already (this
         returns at once), or, for a send nothing proves taken, they will without this rank going on
-        (see `schedules.send_releases`). Sends posted in a batch under one handle (nccl) are not held
-        here: their handle reports its completion without a wait (see `post`)."""
+        (see `schedules.send_releases`). Sends on a GPU (nccl) are not held here: their handle reports
+        its completion without a wait (see `post`)."""
         for send in sends:
             transfers = self.sending.pop(send, None)
             if transfers is not None:

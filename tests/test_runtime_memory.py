@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from _dist import run_distributed
@@ -134,3 +136,35 @@ def test_recompute_holds_one_microbatchs_activations(schedule):
     for rank, held in enumerate(in_flight):
         one = kept[rank] / held
         assert recomputed[rank] == pytest.approx(one, rel=0.02), (schedule, rank, kept, recomputed)
+
+
+class _Work:
+    """A transfer's handle that never completes by itself and counts the waits on it."""
+
+    def __init__(self, waits: list):
+        self.waits = waits
+
+    def wait(self):
+        self.waits.append(self)
+
+    def is_completed(self):
+        return False
+
+
+@pytest.mark.parametrize("device, waits", [("cpu", 1), ("cuda", 0)])
+def test_a_send_let_go_is_waited_for_on_the_cpu_only(device, waits):
+    """A schedule lets a send go at a given point (`send_releases`). On the CPU (gloo, whose handles report
+    completion only once waited) that waits for it. On a GPU the backend holds the tensor until the send is done,
+    and a wait there would make the compute stream wait for the peer's receive: it does not wait."""
+    from pipeline_parallel import runtime
+    from pipeline_parallel.schedules import Action, Kind
+
+    waited = []
+    comm = types.SimpleNamespace(device=torch.device(device), pp_size=2, post=lambda ops: [_Work(waited) for _ in ops])
+    mailbox = runtime._Mailbox(comm, runtime.StepData((1, 2, 3), torch.float32), stages={})
+    send = Action(Kind.SEND_F, 0, 0)
+    mailbox.hand_on(Action(Kind.F, 0, 0), torch.ones(1, 2, 3))
+    mailbox.queue(send)
+    mailbox.post()
+    mailbox.release((send,))
+    assert len(waited) == waits
