@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -115,6 +117,26 @@ def _random_state_kept():
     return torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else [])
 
 
+def _to_empty_keeping_parameters(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)`, keeping its Parameter objects, their contents swapped in: an optimizer made
+    of a model on meta before its Pipeline then holds the parameters the stage trains, where it would hold meta ones
+    no step gives a gradient, and train nothing without a word. Where torch cannot swap (a parameter something else
+    holds a weak reference or a view of), every parameter is made anew, as `to_empty` does by itself: the ones swapped
+    by then too, lest an optimizer made before train some of them only."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    except RuntimeError:  # "_apply(): Couldn't swap ..."
+        torch.__future__.set_swap_module_params_on_conversion(before)
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+        model.to_empty(device=device)  # the buffers
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weights: bool = True) -> None:
     """Allocate and initialise what of a model (or the stage part of one) is on the `meta` device.
 
@@ -133,8 +155,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
             model.lm_head.weight is inner.embed_tokens.weight
         buffers, given, shared = _meta_buffers(model), _given_buffers(model), shared_parameters(model)
         loaded = set() if init_weights else set(model.state_dict())  # the checkpoint's, such as a router's bias
-        model.to_empty(device=device)  # makes each use of a shared parameter one of its own: tie them again
-        for first, *others in shared:
+        _to_empty_keeping_parameters(model, device)
+        for first, *others in shared:  # where they were made anew, each use of a shared parameter is one of its own
             for name in others:
                 replace_by_name(model, name, model.get_parameter(first))
         with torch.no_grad(), _random_state_kept():
