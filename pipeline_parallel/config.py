@@ -285,7 +285,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
             _usage().print_help()
             raise SystemExit(0)
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --optim.lr 1e-3{taken}")
+            hint = (f"; a config file is given as --config {arg}" if arg.endswith(".toml") and not taken else
+                    f"; overrides look like --optim.lr 1e-3{taken}")
+            raise ConfigError(f"unexpected argument {arg!r}{hint}")
         key, eq, value = arg[2:].partition("=")
         key = key.replace("-", "_")
         if key != "config" and key not in KEYS:

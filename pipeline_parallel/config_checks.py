@@ -83,7 +83,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         with as_resume_error():  # a checkpoint that lacks a part is damaged, and the error names an earlier one
             refuse_incomplete(Path(cfg.resume))
         hint = (f"; {cfg.resume} is a run directory: give it as run_dir with resume = latest, or name one of "
-                "its checkpoints/step_* directories" if (Path(cfg.resume) / "checkpoints").is_dir() else "")
+                "its checkpoints/step_* directories" if (Path(cfg.resume) / "checkpoints").is_dir() else
+                f"; there is no {cfg.resume}" if not Path(cfg.resume).exists() else "")
         check(is_checkpoint(cfg.resume), "resume must be auto, latest, never or a complete checkpoint directory "
                                          f"(run_dir/checkpoints/step_NNNNNN), got {cfg.resume!r}{hint}")
     for key in ("train.batch_size", "train.grad_accum_steps", "train.max_steps", "pipeline.num_microbatches",

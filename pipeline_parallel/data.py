@@ -91,7 +91,8 @@ class TokenBatches:
             per_step = f"batch_size {batch_size}" + (f" x {accum_steps} accumulated batches" if accum_steps > 1 else "")
             raise ValueError(
                 f"{len(self.seqs)} training sequences are fewer than {per_step}; add data (or raise "
-                "max_tokens, or lower eval_fraction, if they cap it), or lower batch_size or seq_len"
+                "max_tokens, or lower eval_fraction, if they cap it), or lower batch_size"
+                f"{', the accumulated batches' if accum_steps > 1 else ''} or seq_len"
             )
         self.batch_size, self.accum_steps, self.seed = batch_size, accum_steps, int(seed)
         self.need_inputs, self.need_labels = need_inputs, need_labels
@@ -133,7 +134,8 @@ class TokenBatches:
         if not same_length or (state["num_sequences"], state["seed"]) != (len(self.seqs), self.seed):
             then, now = (f" of {seq_len} tokens", f" of {self.seqs.seq_len}") if seq_len is not None else ("", "")
             raise ValueError(
-                f"loader state is for {state['num_sequences']} sequences{then} with seed {state['seed']}, but this "
+                f"the data position saved is for {state['num_sequences']} sequences{then} with seed {state['seed']}, "
+                "but this "
                 f"loader has {len(self.seqs)}{now} with seed {self.seed}: resume with the same data, tokenizer, "
                 "max_tokens, seq_len, eval_fraction and seed"
             )
@@ -207,7 +209,8 @@ def prepare_data(
     if len(tokens) < seq_len + 1:
         raise ValueError(
             f"the data gives only {len(tokens)} tokens, fewer than one sequence of seq_len+1 = "
-            f"{seq_len + 1}; add data, lower seq_len, or raise max_tokens"
+            f"{seq_len + 1}; add data{', raise max_tokens' if max_tokens and len(tokens) >= max_tokens else ''} or lower "
+            "seq_len"
         )
     train, held = split_sequences(Sequences(tokens, seq_len), eval_fraction)
     return Data(tok, train, held, len(tokens), *stream_record(tokens))

@@ -653,9 +653,10 @@ def test_errors_for_empty_and_too_little_data(tmp_path):
         D.prepare_data(tmp_path / "run1", tmp_path / "empty", seq_len=8, tokenizer=tmp_path / "given.json")
     assert not list((tmp_path / "run1").glob("tokens-*"))
     (tmp_path / "tiny.txt").write_text("tiny")
-    with pytest.raises(ValueError, match="fewer than one sequence"):
-        D.prepare_data(tmp_path / "run2", tmp_path / "tiny.txt", seq_len=64, vocab_size=300)
-    with pytest.raises(ValueError, match=r"gives only 8 tokens, fewer than one sequence of seq_len\+1 = 9"):
+    with pytest.raises(ValueError, match="fewer than one sequence of seq_len\\+1 = 65; add data or lower seq_len$"):
+        D.prepare_data(tmp_path / "run2", tmp_path / "tiny.txt", seq_len=64, vocab_size=300, max_tokens=100)
+    with pytest.raises(ValueError, match=r"gives only 8 tokens, fewer than one sequence of seq_len\+1 = 9; add data, "
+                                         r"raise max_tokens or lower seq_len$"):
         D.prepare_data(tmp_path / "run3", write_texts(tmp_path / "txt", make_docs()), seq_len=8, vocab_size=300,
                        max_tokens=8)  # a token short of a sequence
     with pytest.raises(ValueError, match="set eval_fraction=0"):
@@ -700,7 +701,8 @@ def test_accumulated_batches_are_the_big_batch_split_even_across_epochs():
         x, y = next(big)
         halves = [next(small), next(small)]
         assert torch.equal(x, torch.cat([h[0] for h in halves])) and torch.equal(y, torch.cat([h[1] for h in halves]))
-    with pytest.raises(ValueError, match=r"fewer than batch_size 16 x 2 accumulated batches"):
+    with pytest.raises(ValueError, match=r"fewer than batch_size 16 x 2 accumulated batches; .* or lower batch_size, "
+                                         r"the accumulated batches or seq_len$"):
         D.TokenBatches(table, batch_size=16, accum_steps=2)
 
 

@@ -182,6 +182,8 @@ def test_config_errors(tmp_path, corpus):
                                 ("export.dtype", "fp16", "export.dtype must be fp32 or bf16, got 'fp16'"),
                                 ("device", "gpu", "device must be auto, cpu or cuda, got 'gpu'"),
                                 ("resume", "", "resume must be auto, latest, never or a complete checkpoint directory"),
+                                ("resume", "runs/none/checkpoints/step_000099", r"resume must be auto, .* got "
+                                 r"'runs/none/checkpoints/step_000099'; there is no runs/none/checkpoints/step_000099$"),
                                 ("num_threads", 2**31, r"num_threads 2147483648 is more than torch can set \(at most "
                                                        r"2147483647; 0 gives each rank the node's cores / its ranks\)"),
                                 ("run_dir", " ", "run_dir is empty"),  # it wrote the run into the current directory
@@ -257,6 +259,9 @@ def test_config_file_overrides_and_round_trip(tmp_path):
     with pytest.raises(ConfigError, match=r"unexpected argument '1e-3'; overrides look like --optim.lr 1e-3 "
                                           r"\(--train.max-steps took '--optim.lr' as its value: give it one\)"):
         parse_args(["--train.max_steps", "--optim.lr", "1e-3"])  # the message named only what was typed right
+    with pytest.raises(ConfigError, match=r"^unexpected argument 'configs/tiny.toml'; a config file is given as "
+                                          r"--config configs/tiny.toml$"):
+        parse_args(["configs/tiny.toml"])
 
 
 def test_help_lists_every_key(capsys):
