@@ -13,7 +13,7 @@ from .models.families import check_layout
 from .models.materialize import weights_on_meta
 from .partition import balanced_layer_counts, layer_ranges
 from .pipeline import planning_costs, rank_program
-from .runtime import StepData, run_step
+from .runtime import StepData, attempt, run_step
 from .stage import PipelineStage, inference_mode_error
 
 
@@ -70,17 +70,21 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
                           local_error=error, details={"model_config": model_config, **mode_details})
 
     parts = DecoderParts.of(model, layer_ranges(layer_counts)[stage_idx], first, last)
-    for module in parts.modules():
-        module.to(device=device, dtype=dtype)
-    parts.rotary_emb.to(device)  # its tables stay in float32; left behind, they would be copied there each forward
-    stage = PipelineStage(parts, stage_idx, num_stages)
     step = StepData(activation_shape=(info.batch_size // num_microbatches, info.seq_len, model.config.hidden_size),
                     activation_dtype=dtype)
-    if first:
-        step.inputs = [x.to(device, torch.long) for x in inputs]
-    if last:
-        step.labels = [y.to(device, torch.long) for y in targets]
-        # Mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward()).
+
+    def on_device():  # past the ranks' agreement: a failure (out of memory) fails the step on every rank
+        for module in parts.modules():
+            module.to(device=device, dtype=dtype)
+        parts.rotary_emb.to(device)  # its tables stay in float32; left behind, they would be copied there each forward
+        if first:
+            step.inputs = [x.to(device, torch.long) for x in inputs]
+        if last:
+            step.labels = [y.to(device, torch.long) for y in targets]
+
+    _, step.failure = attempt(on_device)
+    stage = PipelineStage(parts, stage_idx, num_stages)
+    if last:  # mean over each microbatch's own targets, then over microbatches (as a loop of loss.backward())
         step.loss_scales = [1.0 / (num_microbatches * int((y != IGNORE_INDEX).sum())) for y in targets]
     costs = planning_costs(model.config, layer_counts, info.seq_len)
     program, releases = rank_program(schedule, comm, num_microbatches, costs)

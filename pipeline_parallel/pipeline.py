@@ -230,10 +230,14 @@ class Pipeline:
             activation_dtype=self.activation_dtype,
             training=training,
         )
-        if self.is_first:
-            step.inputs = input_ids.to(self.device, torch.long).chunk(m)
+        def batch_on_device():
+            if self.is_first:
+                step.inputs = input_ids.to(self.device, torch.long).chunk(m)
+            if self.is_last:
+                step.labels = labels.to(self.device, torch.long).chunk(m)
+
+        _, step.failure = attempt(batch_on_device)  # past the ranks' agreement: a failure fails the step everywhere
         if self.is_last:
-            step.labels = labels.to(self.device, torch.long).chunk(m)
             step.loss_scales = [1.0 / info.num_target_tokens] * m
         if training:  # the same on every rank: they agreed on the sequence length
             self.program, self._releases = self._program(self.config, self.layer_counts, info.seq_len)

@@ -29,6 +29,9 @@ class StepData:
     labels: list[torch.Tensor] | None = None
     loss_scales: list[float] | None = None
     training: bool = True  # False: forward only, no graph kept (evaluation)
+    # What failed on this rank as it made the step ready (out of memory moving its batch to the device): the step
+    # then makes its transfers with zeros and fails on every rank, as after an error inside it
+    failure: Exception | None = None
     losses: list[torch.Tensor] = field(default_factory=list)
     # (action, start, end) of each compute action once its input was there, in time.perf_counter() seconds (on a
     # GPU, when the device ran it)
@@ -50,6 +53,8 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
     is left waiting for this one; the error is returned for `run_step` to raise on every rank.
     """
     mailbox, clock = _Mailbox(comm, step, stages), _Clock(comm.device)
+    if step.failure is not None:
+        mailbox.fail(step.failure)
     send_releases = send_releases or {}
     kept_graph = backward_next(program)  # forwards a stage that recomputes keeps the graph of
     for action in program:
@@ -196,8 +201,8 @@ class _Mailbox:
         the received tensor (waiting for its receive only); None for the last stage's backward, which
         starts from its loss, and for W."""
         source = input_of(action, num_stages)
-        if source is None:
-            return self.step.inputs[action.mb] if action.kind == Kind.F else None
+        if source is None:  # (no inputs where the step failed before it began: see `StepData.failure`)
+            return self.step.inputs[action.mb] if action.kind == Kind.F and self.step.inputs is not None else None
         if source in self.produced:
             return self.produced.pop(source)
         buffer, transfers = self.received.pop(recv_of(action))

@@ -862,28 +862,32 @@ def test_a_rank_failing_mid_step_fails_every_rank_and_the_next_step_is_exact():
 
 @contextlib.contextmanager
 def _out_of_memory(function: str, shape: tuple[int, ...], nth: int):
-    """`torch.<function>`'s `nth` call making a tensor of `shape` raises torch.OutOfMemoryError, as a full GPU would;
-    yields the list of such calls."""
-    real, calls = getattr(torch, function), []
+    """`torch.<function>`'s `nth` call making a tensor of `shape` (or like one: `empty_like`, `Tensor.to`) raises
+    torch.OutOfMemoryError, as a full GPU would; yields the list of such calls."""
+    owner, _, function = f"torch.{function}".rpartition(".")
+    owner = torch.Tensor if owner == "torch.Tensor" else torch
+    real, calls = getattr(owner, function), []
 
     def fake(*args, **kwargs):
-        made = (args[0].shape if function.endswith("_like") else
-                args[0] if args and not isinstance(args[0], int) else args)  # torch.empty((2, 3)) or (2, 3)
+        made = (args[0].shape if isinstance(args[0], torch.Tensor) else
+                args[0] if not isinstance(args[0], int) else args)  # torch.empty((2, 3)) or (2, 3)
         if tuple(made) == shape:
             calls.append(shape)
             if len(calls) == nth:
                 raise torch.OutOfMemoryError("CUDA out of memory (a test)")
         return real(*args, **kwargs)
 
-    setattr(torch, function, fake)
+    setattr(owner, function, fake)
     try:
         yield calls
     finally:
-        setattr(torch, function, real)
+        setattr(owner, function, real)
 
 
-_ACTIVATION, _EMBEDDING = (2, 6, HIDDEN), (VOCAB, HIDDEN)
+_BATCH, _ACTIVATION, _EMBEDDING = (8, 6), (2, 6, HIDDEN), (VOCAB, HIDDEN)
 _OUT_OF_MEMORY = {  # where the memory runs out: (rank, torch function, shape, its nth call there)
+    "the inputs moved to the device": (0, "Tensor.to", _BATCH, 1),
+    "the labels moved to the device": (1, "Tensor.to", _BATCH, 1),
     "a receive buffer for an activation": (1, "empty", _ACTIVATION, 2),
     "a receive buffer for a gradient": (0, "empty", _ACTIVATION, 1),
     "the buffer of the tied gradient's exchange": (1, "empty_like", _EMBEDDING, 1),
