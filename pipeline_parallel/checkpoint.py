@@ -236,6 +236,16 @@ def _raise_interruption(e: CheckpointException) -> None:
             raise failure from None
 
 
+def _raise_out_of_memory(e: CheckpointException, path: Path) -> None:
+    """Raise a rank's running out of memory as it read the checkpoint as that, on every rank: called damaged, an
+    intact checkpoint would send its user to an older one (or to delete it)."""
+    for rank, (failure, _) in sorted(e.failures.items()):
+        if isinstance(failure, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(failure):
+            raise RuntimeError(f"loading {path} ran out of memory on rank {rank} ({type(failure).__name__}: "
+                               f"{_shortened(str(failure).splitlines()[0])}); the checkpoint is not damaged: free "
+                               "memory there and load it again") from None
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None, group: Any = None) -> dict:
     """Load the parameters this stage owns, and their optimizer state; return `extra`.
@@ -280,6 +290,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
         except CheckpointException as e:  # on every rank: DCP gathers the ranks' failures
             _raise_interruption(e)
+            _raise_out_of_memory(e, path)
             first = next((f"{type(f).__name__}: {f}".rstrip(": ") for f, _ in e.failures.values()), str(e))
             first = _shortened(first.splitlines()[0])
             raise DamagedCheckpointError(path, f"its tensors cannot be read, or it was saved from another model: "

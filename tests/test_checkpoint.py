@@ -578,6 +578,33 @@ def test_a_damaged_shard_fails_every_rank_with_the_checkpoint_named(tmp_path):
         assert len(reason) <= 310 and (reason.endswith(".") or "." not in reason[:300]), reason
 
 
+def _out_of_memory_in_load(rank, world_size, run_dir):
+    """A checkpoint saved on these ranks, loaded where rank 1's device has no memory for the tensors it reads."""
+    model = make_stage(rank, world_size)
+    opt = train(model)
+    path = save_checkpoint(run_dir, 1, model, opt, {"step": 1}, keep_last=1)
+
+    def read_out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+
+    if rank == 1:
+        ckpt.SafeFileSystemReader.read_data = read_out_of_memory  # this forked rank's own copy of the class
+    try:
+        load_checkpoint(path, model, opt)
+    except Exception as e:
+        return type(e).__name__, str(e)
+
+
+def test_running_out_of_memory_in_a_load_is_not_called_damage(tmp_path):
+    """DCP gathers a rank's failure to every rank; out of memory as it read the tensors, it was reported as a damaged
+    checkpoint, which would send the user to an older one, or to delete this one."""
+    path = tmp_path / "checkpoints" / "step_000001"
+    for said in run_distributed(_out_of_memory_in_load, 2, str(tmp_path)):
+        assert said == ("RuntimeError", f"loading {path} ran out of memory on rank 1 (OutOfMemoryError: CUDA out of "
+                                        "memory (a test)); the checkpoint is not damaged: free memory there and load "
+                                        "it again"), said
+
+
 @pytest.mark.parametrize("damage, why", [
     (lambda d: os.truncate(d / ".metadata", 50), r"its file .metadata has 50 bytes where [\d,]+ were saved"),
     (lambda d: os.truncate(d / "meta.json", 10), r"its meta.json cannot be read: Unterminated string"),
