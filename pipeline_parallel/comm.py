@@ -132,12 +132,13 @@ class PipeComm:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def share_from_first_(self, tensor: torch.Tensor, is_first: bool) -> None:
+    def share_from_first_(self, tensor: torch.Tensor, is_first: bool, checksum: torch.Tensor | None = None) -> None:
         """The last rank's `tensor` becomes the first rank's (one matrix held at both ends, as tying
         does in one process); called by those two ranks. Their checksums tell whether the ends
-        differ, so equal ones cost one read of the matrix and no transfer of it."""
+        differ, so equal ones cost one read of the matrix and no transfer of it (`checksum`: ours, if
+        taken already)."""
         peer = self._other_end(is_first)
-        mine = bits_checksum(tensor)
+        mine = bits_checksum(tensor) if checksum is None else checksum
         if not torch.equal(mine, self._swap(mine, peer)):
             for work in self.post([("send" if is_first else "recv", tensor, peer)]):
                 work.wait()

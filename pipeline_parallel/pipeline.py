@@ -150,22 +150,23 @@ class Pipeline:
 
         holds_tied_end = tied_weight_end(model, self.pp_size, self.is_first, self.is_last) is not None
         self.layer_indices = layer_ranges(self.layer_counts)[self.stage_idx]
-        error = None
+        error, self._tied_weight = None, None
         try:  # a buffer the model cannot make, or no memory for the stage, shows on one rank: every rank raises
             keep_local_part(model, self.layer_indices, self.is_first, self.is_last)
             materialize(model, self.device, seed)
             self.model = model.to(self.device)
             parts = DecoderParts.of(model, self.layer_indices, self.is_first, self.is_last)
             self.stage = PipelineStage(parts, self.stage_idx, self.pp_size, autocast_dtype, recompute)
+            if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
+                self._tied_weight = end_weight(model, self.is_first)
+                tied_checksum = bits_checksum(self._tied_weight)  # before the ends compare them
         except Exception as e:
             error = e
         agree_on_settings(self.comm, {}, call="Pipeline()", local_error=error)
-        self._tied_weight = None
-        if holds_tied_end:  # fetched after materialising, which may have replaced the Parameter
-            self._tied_weight = end_weight(model, self.is_first)
+        if holds_tied_end:
             # The ends may hold different values (initialised apart, on meta or by the caller): as
             # tying does in one process, the head takes the embedding, the first stage's copy.
-            self.comm.share_from_first_(self._tied_weight.data, self.is_first)
+            self.comm.share_from_first_(self._tied_weight.data, self.is_first, tied_checksum)
         self._dtypes = _parameter_dtypes(self.model)  # what `_changed` compares with, as the stage's parts
         self.last_timeline: list = []
         self.last_step_seconds = 0.0
@@ -211,12 +212,14 @@ class Pipeline:
 
     def _run(self, input_ids, labels, training: bool) -> float:
         mode, details = mode_setting(self.model)
+        checksum, failure = (None, None) if self._tied_weight is None else attempt(  # out of memory: all raise
+            lambda: bits_checksum(self._tied_weight).tolist())  # the tied embedding's end's, for the ends to compare
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
             num_microbatches=self.num_microbatches, settings={**self._settings, **mode}, details=details,
-            local_error=self._changed() or (self._training_error() if training else None),
-            facts=bits_checksum(self._tied_weight).tolist() if self._tied_weight is not None else [-1] * 3,
+            local_error=self._changed() or (self._training_error() if training else None) or failure,
+            facts=checksum or [-1] * 3,
         )
         first_end, last_end = info.facts[0], info.facts[-1]  # checksums of a tied embedding's ends, where there are two
         if first_end[0] >= 0 and first_end != last_end:

@@ -945,6 +945,42 @@ def test_a_device_out_of_memory_for_a_transfer_fails_every_rank_and_the_next_ste
             assert abs(loss_diff) < 1e-5 and diff < 1e-5 and saved == 0, (case, results[case])
 
 
+def _checksum_out_of_memory_worker(rank, world_size):
+    """Rank 1 has no memory to checksum its end of a tied embedding (for the ends to compare) as the Pipeline is
+    built, then as a step starts; after each, a clean step."""
+    import pipeline_parallel.pipeline as pipeline_module
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    checksum, said = pipeline_module.bits_checksum, []
+
+    def out_of_memory(tensor):
+        raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+
+    def make():
+        return pp.Pipeline(build("llama", 4, tie=True), num_microbatches=2, device="cpu", group=group)
+
+    for when in ("building", "stepping"):
+        pipe = make() if when == "stepping" else None
+        if rank == 1:
+            pipeline_module.bits_checksum = out_of_memory
+        try:
+            (pipe or make()).step(X, Y)
+        except Exception as e:
+            said.append((type(e).__name__, str(e)))
+        pipeline_module.bits_checksum = checksum
+        said.append(math.isfinite((pipe or make()).step(X, Y)))
+    return said
+
+
+def test_no_memory_to_checksum_a_tied_end_fails_every_rank():
+    """The ends of a tied embedding compare checksums as a Pipeline is built and as each step starts. A rank without
+    the memory to take its own raised alone, the other end waiting for it until the backend's timeout."""
+    oom = ("OutOfMemoryError", "CUDA out of memory (a test)")
+    named = ("RuntimeError", "pipeline rank 1: OutOfMemoryError: CUDA out of memory (a test)")
+    assert run_distributed(_checksum_out_of_memory_worker, 2, timeout=TIMEOUT) == [[named, True, named, True],
+                                                                                     [oom, True, oom, True]]
+
+
 def _interrupted_mid_step_worker(rank, world_size):
     """Ctrl-C lands in both ranks' forwards (rank 0's third, rank 1's second), in the middle of GPipe's transfers;
     then the program goes on: another step, and a clip."""
