@@ -212,8 +212,9 @@ class Pipeline:
 
     def _run(self, input_ids, labels, training: bool) -> float:
         mode, details = mode_setting(self.model)
-        checksum, failure = (None, None) if self._tied_weight is None else attempt(  # out of memory: all raise
-            lambda: bits_checksum(self._tied_weight).tolist())  # the tied embedding's end's, for the ends to compare
+        # The checksum of this rank's end of a tied embedding, for the ends to compare: without memory, all raise
+        checksum, failure = (None, None) if self._tied_weight is None else attempt(
+            lambda: bits_checksum(self._tied_weight).tolist())
         info = agree_on_batch(
             self.comm, input_ids if self.is_first else None, labels if self.is_last else None,
             call="step()" if training else "evaluate()", vocab_size=self.config.vocab_size,
@@ -233,6 +234,7 @@ class Pipeline:
             activation_dtype=self.activation_dtype,
             training=training,
         )
+
         def batch_on_device():
             if self.is_first:
                 step.inputs = input_ids.to(self.device, torch.long).chunk(m)
