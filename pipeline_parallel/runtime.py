@@ -48,9 +48,10 @@ def _run_program(program: list[Action], stages: dict[int, PipelineStage], comm: 
     provably taken by then, and those nothing proves taken, where waiting cannot deadlock (see
     `schedules.send_releases`).
 
-    If a compute action raises, or the device has no memory for a tensor to transfer, the rest of
-    the program still makes every transfer, handing on zeros in place of results, so no other rank
-    is left waiting for this one; the error is returned for `run_step` to raise on every rank.
+    If a compute action raises, or the device has no memory for a tensor to transfer (or the step
+    failed as it was made ready: `StepData.failure`), the rest of the program still makes every
+    transfer, handing on zeros in place of results, so no other rank is left waiting for this one;
+    the error is returned for `run_step` to raise on every rank.
     """
     mailbox, clock = _Mailbox(comm, step, stages), _Clock(comm.device)
     if step.failure is not None:
