@@ -27,6 +27,7 @@ from ._checkpoint_files import RecordingWriter, SafeFileSystemReader, SafeLoadPl
 from ._files import atomic_write
 from .comm import PipeComm
 from .models.materialize import shared_parameters
+from .runtime import out_of_memory
 
 __all__ = ["DamagedCheckpointError", "UnsafeCheckpointError", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
            "published", "read_extra", "save_checkpoint", "save_identity", "saved_checkpoints"]
@@ -240,7 +241,7 @@ def _raise_out_of_memory(e: CheckpointException, path: Path) -> None:
     """Raise a rank's running out of memory as it read the checkpoint as that, on every rank: called damaged, an
     intact checkpoint would send its user to an older one (or to delete it)."""
     for rank, (failure, _) in sorted(e.failures.items()):
-        if isinstance(failure, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(failure):
+        if out_of_memory(failure):
             raise RuntimeError(f"loading {path} ran out of memory on rank {rank} ({type(failure).__name__}: "
                                f"{_shortened(str(failure).splitlines()[0])}); the checkpoint is not damaged: free "
                                "memory there and load it again") from None

@@ -132,8 +132,7 @@ class _Mailbox:
         """Mark the step failed (its first error is kept) and free its activations: nothing of a failed step may
         leak into the next one, and the transfers still to come may need their memory."""
         self.error = self.error or error
-        if isinstance(error, torch.OutOfMemoryError):  # what its frames held goes too (the traceback stays)
-            traceback.clear_frames(error.__traceback__)
+        _free_frames(error)
         for stage in self.stages.values():
             stage.clear()
 
@@ -352,14 +351,26 @@ def _tied_exchange_buffers(tied_weight: torch.Tensor, error: Exception | None):
 
 
 def attempt(make):
-    """(`make()`, None), or (None, the error it raised), the error's frames cleared of their variables so that the
-    memory they held is free: for memory a rank must take before its peers go on, so that a device without it fails
-    every rank clearly rather than leaving them waiting for this one."""
+    """(`make()`, None), or (None, the error it raised; see `_free_frames`): for memory a rank must take before its
+    peers go on, so that a device without it fails every rank clearly rather than leaving them waiting for this one."""
     try:
         return make(), None
     except Exception as e:  # torch.OutOfMemoryError, mostly
-        traceback.clear_frames(e.__traceback__)
+        _free_frames(e)
         return None, e
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says a device or the host ran out of memory: torch's error for a GPU, the CPU allocator's
+    RuntimeError, or Python's MemoryError."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(error)
+
+
+def _free_frames(error: BaseException) -> None:
+    """Clear the variables of the frames an out-of-memory error passed through, so that the memory they held is
+    free for what must still be made (its traceback stays readable; another error keeps them, for debugging)."""
+    if out_of_memory(error):
+        traceback.clear_frames(error.__traceback__)
 
 
 def _raise_step_failure(comm: PipeComm, error: Exception | None) -> None:
