@@ -705,8 +705,8 @@ def _damaged_files_worker(rank, world_size, run_dir):
 
     def after(damages: dict[Path, Callable]) -> str:
         torch.distributed.barrier()
-        kept = {path: path.read_bytes() if path.exists() else None for path in damages}
-        if rank == 0:
+        if rank == 0:  # read and damaged by one rank: another reading them could meet a file being damaged
+            kept = {path: path.read_bytes() if path.exists() else None for path in damages}
             for path, damage in damages.items():
                 damage(path)
         torch.distributed.barrier()
