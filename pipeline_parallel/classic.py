@@ -39,6 +39,7 @@ def train_step_pipeline_1f1b(model, inputs, targets, device, dtype) -> float | N
 def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str, call: str) -> float | None:
     device, error = usable_device(device)
     comm = PipeComm(None, device)
+    comm.check_transfers(error)
     stage_idx, num_stages = comm.pp_rank, comm.pp_size
     first, last = stage_idx == 0, stage_idx == num_stages - 1
 

@@ -44,6 +44,21 @@ def _device_backends(group) -> dict[str, str]:
     return dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(","))
 
 
+def _transfer_error(device: torch.device, backends: dict[str, str]) -> str | None:
+    """Why a group with these `backends` (by device type) cannot carry P2P transfers of `device`'s tensors."""
+    backend, kind = backends.get(device.type), device.type
+    fitting = {"cpu": "'gloo' (or 'cpu:gloo,cuda:nccl')", "cuda": "'nccl' (or 'cpu:gloo,cuda:nccl')"}.get(
+        kind, f"a backend for {kind} tensors")
+    if backend is None:
+        carried = ", ".join(f"{name} for {each}" for each, name in backends.items())
+        return (f"the process group has no backend for {kind} tensors (only {carried}), so the stages on {device} "
+                f"cannot send them: initialise it with {fitting}, or pass a device it carries")
+    if backend == "gloo" and kind != "cpu":
+        return (f"the process group sends {kind} tensors with gloo, whose point-to-point transfers take CPU tensors "
+                f"only: initialise it with {fitting}, or pass device='cpu'")
+    return None
+
+
 class PipeComm:
     """The pipeline's process group, this rank's `pp_rank` in it, and the transfers it makes.
 
@@ -70,6 +85,15 @@ class PipeComm:
         # independent. NCCL runs a pair's transfers in order on one stream and a batch completes
         # as a whole, so an early receive can block the sends queued behind it: post just in time.
         self.prefetch_receives = _device_backends(self.group).get(self.device.type) == "gloo"
+
+    def check_transfers(self, device_error: str | None = None) -> None:
+        """Raise a ValueError if this group cannot carry transfers of this rank's device's tensors (`device_error`,
+        why the device asked for is not this one, if given). Alike on every rank, before the ranks first agree,
+        which they could not do over such a group; torch's own error, at the first transfer, says nothing of what
+        to change."""
+        error = _transfer_error(self.device, _device_backends(self.group)) if self.group is not None else None
+        if error is not None:
+            raise ValueError(device_error or error)
 
     def check_in_step(self) -> None:
         """Refuse to communicate once a step stopped in the middle of its transfers (an interrupt, a failed

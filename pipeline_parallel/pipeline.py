@@ -113,6 +113,7 @@ class Pipeline:
     ):
         self.device, device_error = usable_device(device if device is not None else default_device())
         self.comm = PipeComm(group, self.device)
+        self.comm.check_transfers(device_error)
         self.pp_rank, self.pp_size = self.comm.pp_rank, self.comm.pp_size
         self.stage_idx = self.pp_rank
         self.is_first, self.is_last = self.stage_idx == 0, self.stage_idx == self.pp_size - 1

@@ -387,6 +387,11 @@ PIPELINE_CASES = {
                                                                group=g, num_microbatches=2), ValueError,
                                   r"ranks disagree on 'parameter_dtypes'"),
     "mismatch-seed": (lambda r, w, g: _pipe(g, seed=r), ValueError, r"ranks disagree on 'seed'"),
+    # torch's own error, at the ranks' first agreement, said only "No backend type associated with device type cpu"
+    "group-without-a-backend-for-the-device": (lambda r, w, g: _pipe(dist.new_group(backend="cuda:gloo")), ValueError,
+                                               r"the process group has no backend for cpu tensors \(only gloo for "
+                                               r"cuda\), so the stages on cpu cannot send them: initialise it with "
+                                               r"'gloo' \(or 'cpu:gloo,cuda:nccl'\), or pass a device it carries"),
     "device-unusable-on-the-last-rank": (lambda r, w, g: _pipe(g, device="cuda:99" if r == w - 1 else "cpu"),
                                          ValueError, r"device 'cuda:99' cannot be used on this machine"),
     # meta tensors hold no values: the model was moved there (its weights lost), then the step failed in torch
@@ -737,6 +742,23 @@ def test_a_rank_outside_the_group_gets_a_clear_error():
     assert outcome_1 == "ValueError" and re.search(
         r"this process \(global rank 1\) is not a member of the given group, so it has no stage in that pipeline; "
         r"build the Pipeline only on the group's ranks", message), message
+
+
+@pytest.mark.parametrize("device, backends, said", [
+    ("cuda:1", {"cpu": "gloo", "cuda": "gloo"}, "the process group sends cuda tensors with gloo, whose point-to-point "
+     "transfers take CPU tensors only: initialise it with 'nccl' (or 'cpu:gloo,cuda:nccl'), or pass device='cpu'"),
+    ("cpu", {"cuda": "nccl"}, "the process group has no backend for cpu tensors (only nccl for cuda), so the stages "
+     "on cpu cannot send them: initialise it with 'gloo' (or 'cpu:gloo,cuda:nccl'), or pass a device it carries"),
+    ("cuda:0", {"cpu": "gloo"}, "the process group has no backend for cuda tensors (only gloo for cpu), so the stages "
+     "on cuda:0 cannot send them: initialise it with 'nccl' (or 'cpu:gloo,cuda:nccl'), or pass a device it carries"),
+    ("cuda:0", {"cpu": "gloo", "cuda": "nccl"}, None),
+    ("cpu", {"cpu": "gloo", "cuda": "nccl"}, None),
+])
+def test_a_group_that_cannot_carry_the_stages_transfers_is_named(device, backends, said):
+    """Which groups can carry a device's transfers, without a GPU: NCCL's cases are those of a GPU node. gloo's own
+    point-to-point transfers take CPU tensors only."""
+    from pipeline_parallel.comm import _transfer_error
+    assert _transfer_error(torch.device(device), backends) == said
 
 
 def _all_tables():
