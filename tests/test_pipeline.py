@@ -742,7 +742,7 @@ def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attent
 
 @pytest.mark.parametrize("model_type", ["afmoe", "cohere", "cohere2", "cohere2_moe", "gemma2", "gemma3_text",
                                         "granite", "granitemoe", "granitemoeshared", "hyperclovax", "minicpm3",
-                                        "vaultgemma"])
+                                        "nanochat", "vaultgemma"])
 def test_families_that_scale_in_forward_get_their_scales(model_type):
     """Their forward scales embeddings or logits (or caps the logits) beyond the modules: a stage's logits
     equal the forward's with the scales `ForwardScales.of` reads, and differ without them, so that the
@@ -861,7 +861,9 @@ def test_a_layer_kind_a_family_s_forward_ignores_is_ignored(model_type):
 
 
 @pytest.mark.parametrize("model_type, extra, error, message", [
-    ("nanochat", {}, TypeError, r"model_type 'nanochat'\) is not supported: .*a norm on the embeddings"),
+    # chunks of 4 tokens in 8: its forward masks each chunk's layers by chunk
+    ("llama4_text", {"attention_chunk_size": 4}, TypeError, r"model_type 'llama4_text'\) is not supported: .*other "
+     r"masks or inputs for some layers"),
     # eager: under sdpa a stage's full-attention mask is None and the layer's own is_causal=False, which agree
     ("gemma3_text", {"use_bidirectional_attention": True, "attn_implementation": "eager"}, TypeError,
      r"Gemma3ForCausalLM with config.use_bidirectional_attention = True: its forward then lets tokens attend "
@@ -998,12 +1000,12 @@ def _stages_in_turn(model, counts, x):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "gemma3_text", "cohere2", "olmo3", "gpt_oss", "granite",
-                                        "hyperclovax", "afmoe", "cohere", "minicpm3", "mistral"])
+                                        "hyperclovax", "afmoe", "cohere", "minicpm3", "mistral", "nanochat"])
 def test_stages_in_turn_compute_the_family_forward(model_type):
     """The family tests run every layer on one stage; split in two, the second stage must still give each
     layer the mask and rotary tables of its own kind (config.layer_types[i] of its index in the whole model,
-    not in the stage), and the first stage the embedding scale the family's forward applies (the last one
-    the logit scale), or a multi-rank run trains another function than the model's."""
+    not in the stage), and the first stage the embedding scale (or NanoChat's norm) the family's forward applies
+    (the last one the logit scale), or a multi-rank run trains another function than the model's."""
     if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
     model = _family(model_type, windows=True)  # layer 0 slides over 3 tokens, layer 1 attends to all
@@ -1013,6 +1015,36 @@ def test_stages_in_turn_compute_the_family_forward(model_type):
     with torch.no_grad():
         want = model(x).logits
         torch.testing.assert_close(_stages_in_turn(model, [1, 1], x), want, atol=1e-5, rtol=1e-5)
+
+
+def _nanochat_worker(rank, world_size):
+    """A NanoChat step on two stages and its own forward and backward on one process (a copy): the loss, this
+    stage's gradients, and what a forward hook on the final norm saw, which the forward calls twice, on the
+    embeddings and on the last layer's output: the first stage's calls are the first, the last stage's the second,
+    microbatch by microbatch."""
+    model = _family("nanochat")
+    ref = copy.deepcopy(model)
+    x, y = make_batch(4, 8, num_microbatches=2)
+    seen, ref_seen = [], []
+    model.model.norm.register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
+    ref.model.norm.register_forward_hook(lambda module, args, out: ref_seen.append(out.detach().clone()))
+    loss = pp.Pipeline(model, num_microbatches=2, device="cpu").step(x, y)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert_grads_close(grads(model), grads(ref), set(grads(model)), what=f"NanoChat, stage {rank}")
+    torch.testing.assert_close(torch.cat(seen), ref_seen[rank], atol=1e-5, rtol=1e-5)
+    return len(seen), sorted(grads(model))
+
+
+def test_nanochat_norms_the_embeddings_on_its_first_stage():
+    """NanoChat's forward passes the embeddings through its final norm too (parameter-free): its first stage must
+    do so as well, holding that norm, and its last stage the norm's usual call."""
+    if _family("nanochat") is None:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no nanochat")
+    (calls_0, names_0), (calls_1, names_1) = run_distributed(_nanochat_worker, 2, timeout=TIMEOUT)
+    assert calls_0 == calls_1 == 2  # one call per microbatch on each stage
+    assert names_0[0].startswith("model.embed_tokens") and "lm_head.weight" in names_1
 
 
 def test_a_stage_evaluates_without_embedding_dropout():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .families import ForwardScales, attention_kind, causal_mask, rotary_takes_layer_type
+from .families import ForwardScales, attention_kind, causal_mask, norms_embeddings, rotary_takes_layer_type
 
 
 @dataclass
@@ -18,7 +18,8 @@ class DecoderParts:
     Calls the model's own modules, so forward/backward hooks on them fire exactly as in an
     unpipelined run, and registers none of its own, and does between them what the family's forward
     does (`scales`, per-layer masks and rotary tables). `embed_tokens` is set on the first stage only,
-    `norm` and `lm_head` on the last only.
+    `norm` and `lm_head` on the last only; `embedding_norm`, the same norm, on the first stage of a family
+    whose forward also norms the embeddings (`norms_embeddings`).
     """
 
     config: object
@@ -27,6 +28,7 @@ class DecoderParts:
     embed_tokens: nn.Module | None = None
     norm: nn.Module | None = None
     lm_head: nn.Module | None = None
+    embedding_norm: nn.Module | None = None
     decoder: nn.Module | None = None  # `model.model` on the first stage: its mode decides embedding dropout
     scales: ForwardScales = ForwardScales()
 
@@ -43,6 +45,7 @@ class DecoderParts:
             embed_tokens=model.model.embed_tokens if first else None,
             norm=model.model.norm if last else None,
             lm_head=model.lm_head if last else None,
+            embedding_norm=model.model.norm if first and norms_embeddings(model) else None,
             decoder=model.model if first else None,
             scales=ForwardScales.of(model),
         )
@@ -50,7 +53,8 @@ class DecoderParts:
     def named_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules this stage runs, under their names in the model."""
         parts = [("model.embed_tokens", self.embed_tokens), ("model.rotary_emb", self.rotary_emb),
-                 *((f"model.layers.{i}", layer) for i, layer in self.layers), ("model.norm", self.norm),
+                 *((f"model.layers.{i}", layer) for i, layer in self.layers),
+                 ("model.norm", self.norm if self.norm is not None else self.embedding_norm),
                  ("lm_head", self.lm_head)]
         return [(name, module) for name, module in parts if module is not None]
 
@@ -76,6 +80,8 @@ class DecoderParts:
             dropout = getattr(self.config, "embedding_dropout", 0.0)  # StarCoder2's, applied in its forward
             if dropout:
                 hidden = nn.functional.dropout(hidden, p=dropout, training=self.decoder.training)
+            if self.embedding_norm is not None:
+                hidden = self.embedding_norm(hidden)
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
         per_kind = rotary_takes_layer_type(type(self.rotary_emb))  # rotary tables of each kind's own (Gemma 3)

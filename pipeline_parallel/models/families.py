@@ -49,15 +49,16 @@ class ForwardScales:
 # the tests, each with how that forward picks a layer's attention mask: "causal" (every layer, whatever the
 # config says of windows), "window" (every layer sliding-window when config.sliding_window is set) or
 # "layer_types" (layer i as config.layer_types[i] says; the rotary tables too where they differ by kind).
-# Others do more in forward: a norm on the embeddings (NanoChat), other masks or inputs for some layers
-# (Llama 4's chunks, hybrids of attention and linear attention).
+# Others do more in forward: other masks or inputs for some layers (Llama 4's chunks, hybrids of attention and
+# linear attention).
 SUPPORTED_MODEL_TYPES = {
     **dict.fromkeys(("llama", "olmo", "olmo2", "stablelm", "gemma", "apertus", "apertus1p5_text", "arcee", "aria_text",
                      "axk1", "bitnet", "cohere", "deepseek_v2", "deepseek_v3", "diffllama", "ernie4_5", "ernie4_5_moe",
                      "exaone", "flex_olmo", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "granite", "granitemoe",
                      "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
                      "internlm3", "iquestcoder", "jais2", "jetmoe", "minicpm3", "minimax_m2", "minimax_m3_vl_text",
-                     "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open", "youtu"), "causal"),
+                     "nanochat", "nemotron", "olmoe", "sarvam_mla", "sarvam_moe", "seed_oss", "solar_open", "youtu"),
+                    "causal"),
     **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3", "phimoe"), "window"),
     **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "afmoe", "cohere2", "cohere2_moe", "cwm", "exaone4", "exaone_moe",
                      "flint", "gemma2", "gemma3_text", "gpt_oss", "kolibri1", "laguna", "mellum", "mimo_v2_flash",
@@ -76,7 +77,11 @@ _FORWARD_SCALES = {
     "hyperclovax": lambda model: ForwardScales(embedding=model.model.embedding_multiplier,
                                                logits=model.config.logits_scaling),
     "minicpm3": lambda model: ForwardScales(logits=1 / model.config.logits_scaling),  # divides the head's input
+    "nanochat": lambda model: ForwardScales(softcap=model.config.final_logit_softcapping),
 }
+# Families whose forward also passes the embeddings through `model.norm` before the first layer (parameter-free
+# there; one with weights would be shared by the first and last stages, which `check_shared_parameters` refuses).
+_NORMED_EMBEDDINGS = {"nanochat"}
 # Config switches a family's forward reads beyond its modules: a stage trains the family only while they are
 # off (None or False), as in the released checkpoints.
 _FORWARD_SWITCHES = {"gemma3_text": {"use_bidirectional_attention": "lets tokens attend ahead"}}
@@ -117,8 +122,8 @@ def check_layout(model: nn.Module) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise TypeError(
             f"{type(model).__name__} (model_type {model_type!r}) is not supported: a pipeline stage runs the "
-            "model's modules, and some families' forwards do more (a norm on the embeddings, other masks or "
-            f"inputs for some layers), which would silently train another function. Supported model types: "
+            "model's modules, and some families' forwards do more (other masks or inputs for some layers), "
+            f"which would silently train another function. Supported model types: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
     for name, what in _FORWARD_SWITCHES.get(model_type, {}).items():
@@ -193,6 +198,11 @@ def _scales_embeddings_outside(model: nn.Module) -> bool:
     """Gemma-family models before transformers 5 multiply embeddings by sqrt(hidden) in forward."""
     model_type = _model_type(model.config)
     return model_type.startswith(("gemma", "recurrent_gemma")) and type(model.model.embed_tokens) is nn.Embedding
+
+
+def norms_embeddings(model: nn.Module) -> bool:
+    """Whether the family's forward passes the embeddings through the final norm too (NanoChat's)."""
+    return _model_type(model.config) in _NORMED_EMBEDDINGS
 
 
 def attention_kind(config, layer_idx: int) -> str:

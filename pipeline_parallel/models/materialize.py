@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .families import check_layout, hf_float32, is_hf_config
+from .families import check_layout, hf_float32, is_hf_config, norms_embeddings
 from .llama import seed_for_name
 
 
@@ -24,7 +24,8 @@ def keep_local_part(model: nn.Module, layer_indices: range, first: bool, last: b
     if not first:
         inner.embed_tokens = None
     if not last:
-        inner.norm = None
+        if not (first and norms_embeddings(model)):  # a first stage that norms the embeddings keeps it
+            inner.norm = None
         model.lm_head = None
 
 
