@@ -718,18 +718,24 @@ _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               max_position_embeddings=64, bos_token_id=1, pad_token_id=0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "diffllama"])
+@pytest.mark.parametrize("family", ["mixtral", "diffllama", "nanochat"])
 def test_a_run_from_the_files_of_starts_from_the_loss_of_the_model_s_forward(family, corpus, tmp_path):
     """Mixtral's experts: transformers 5 fuses them in memory into one tensor per layer and kind, but saves them
     one by one (as transformers 4 holds them), so they cannot be read by name. DiffLlama draws weights in its
     __init__ outside the meta device the run builds the model on (its lambdas), which made the run take it for a
-    model partly loaded. A run from the files on 2 ranks starts from the loss of the model's own forward."""
+    model partly loaded. NanoChat's forward norms the embeddings with its final norm, which the first stage holds
+    too. A run from the files on 2 ranks starts from the loss of the model's own forward."""
     tok = load_tokenizer(corpus[1])
     torch.manual_seed(0)
     if family == "mixtral":
         config = transformers.MixtralConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, num_local_experts=4,
                                             num_experts_per_tok=2, **_SMALL)
         original = transformers.MixtralForCausalLM(config).eval()
+    elif family == "nanochat":
+        if not hasattr(transformers, "NanoChatForCausalLM"):
+            pytest.skip(f"transformers {transformers.__version__} has no NanoChat")
+        config = transformers.NanoChatConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **_SMALL)
+        original = transformers.NanoChatForCausalLM(config).eval()
     else:
         config = transformers.DiffLlamaConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **_SMALL)
         original = transformers.DiffLlamaForCausalLM(config).eval()
