@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .families import check_layout, hf_float32, is_hf_config, norms_embeddings
+from .decoder import DecoderParts
+from .families import check_layout, hf_float32, is_hf_config
 from .llama import seed_for_name
 
 
@@ -16,16 +17,14 @@ def keep_local_part(model: nn.Module, layer_indices: range, first: bool, last: b
     still says `model.layers.5.mlp.up_proj.weight` and checkpoints map 1:1 onto the full model.
     """
     check_layout(model)
+    parts = DecoderParts.of(model, layer_indices, first, last)  # what the stage runs: the rest goes
     inner = model.model
-    layers = inner.layers
-    inner.layers = nn.ModuleDict(
-        {str(i): layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)] for i in layer_indices}
-    )
-    if not first:
+    inner.layers = nn.ModuleDict({str(i): layer for i, layer in parts.layers})
+    if parts.embed_tokens is None:
         inner.embed_tokens = None
-    if not last:
-        if not (first and norms_embeddings(model)):  # a first stage that norms the embeddings keeps it
-            inner.norm = None
+    if parts.norm is None and parts.embedding_norm is None:
+        inner.norm = None
+    if parts.lm_head is None:
         model.lm_head = None
 
 
