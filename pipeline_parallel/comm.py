@@ -72,6 +72,7 @@ class PipeComm:
         self.broken_by: str | None = None  # set by a step stopped mid-transfer: see `check_in_step`
         if not (dist.is_available() and dist.is_initialized()):
             self.group, self.pp_rank, self.pp_size, self.global_ranks = None, 0, 1, [0]
+            self.backends: dict[str, str] = {}
             self.prefetch_receives = False
             return
         self.group = group or dist.group.WORLD
@@ -81,17 +82,18 @@ class PipeComm:
                              "it has no stage in that pipeline; build the Pipeline only on the group's ranks")
         self.pp_size = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
+        self.backends = _device_backends(self.group)
         # Posting a receive early overlaps the transfer with compute on gloo, whose transfers are
         # independent. NCCL runs a pair's transfers in order on one stream and a batch completes
         # as a whole, so an early receive can block the sends queued behind it: post just in time.
-        self.prefetch_receives = _device_backends(self.group).get(self.device.type) == "gloo"
+        self.prefetch_receives = self.backends.get(self.device.type) == "gloo"
 
     def check_transfers(self, device_error: str | None = None) -> None:
         """Raise a ValueError if this group cannot carry transfers of this rank's device's tensors (`device_error`,
         why the device asked for is not this one, if given). Alike on every rank, before the ranks first agree,
         which they could not do over such a group; torch's own error, at the first transfer, says nothing of what
         to change."""
-        error = _transfer_error(self.device, _device_backends(self.group)) if self.group is not None else None
+        error = _transfer_error(self.device, self.backends) if self.group is not None else None
         if error is not None:
             raise ValueError(device_error or error)
 
