@@ -77,7 +77,8 @@ def _train_step(model: nn.Module, inputs, targets, device, dtype, schedule: str,
     def on_device():  # past the ranks' agreement: a failure (out of memory) fails the step on every rank
         for module in parts.modules():
             module.to(device=device, dtype=dtype)
-        parts.rotary_emb.to(device)  # its tables stay in float32; left behind, they would be copied there each forward
+        for _, rotary in parts.rotaries():  # their tables stay in float32; left behind, copied there each forward
+            rotary.to(device)
         if first:
             step.inputs = [x.to(device, torch.long) for x in inputs]
         if last:

@@ -718,13 +718,15 @@ _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               max_position_embeddings=64, bos_token_id=1, pad_token_id=0)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "diffllama", "nanochat"])
+@pytest.mark.parametrize("family", ["mixtral", "diffllama", "nanochat", "granite_swa"])
 def test_a_run_from_the_files_of_starts_from_the_loss_of_the_model_s_forward(family, corpus, tmp_path):
     """Mixtral's experts: transformers 5 fuses them in memory into one tensor per layer and kind, but saves them
     one by one (as transformers 4 holds them), so they cannot be read by name. DiffLlama draws weights in its
     __init__ outside the meta device the run builds the model on (its lambdas), which made the run take it for a
     model partly loaded. NanoChat's forward norms the embeddings with its final norm, which the first stage holds
-    too. A run from the files on 2 ranks starts from the loss of the model's own forward."""
+    too. GraniteSWA rotates each layer at a RoPE base of its own, or not at all (here layer 1 of 2 at 100, not the
+    config's 10,000): its tables are made as the run builds the model. A run from the files on 2 ranks starts
+    from the loss of the model's own forward."""
     tok = load_tokenizer(corpus[1])
     torch.manual_seed(0)
     if family == "mixtral":
@@ -736,6 +738,12 @@ def test_a_run_from_the_files_of_starts_from_the_loss_of_the_model_s_forward(fam
             pytest.skip(f"transformers {transformers.__version__} has no NanoChat")
         config = transformers.NanoChatConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **_SMALL)
         original = transformers.NanoChatForCausalLM(config).eval()
+    elif family == "granite_swa":
+        if not hasattr(transformers, "GraniteSWAForCausalLM"):
+            pytest.skip(f"transformers {transformers.__version__} has no GraniteSWA")
+        config = transformers.GraniteSWAConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
+                                               layer_rope_theta=[0.0, 100.0], **_SMALL)
+        original = transformers.GraniteSWAForCausalLM(config).eval()
     else:
         config = transformers.DiffLlamaConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **_SMALL)
         original = transformers.DiffLlamaForCausalLM(config).eval()

@@ -603,6 +603,8 @@ _FAMILY_CONFIG = {
     "afmoe": dict(mup_enabled=True),
     "phimoe": dict(router_jitter_noise=0.0),  # random in training, like the dropouts `_family` zeroes
     "minicpm3": dict(_LATENT_ATTENTION, dim_model_base=8),  # logits_scaling = hidden_size / dim_model_base
+    # Layer 0 without positions, layer 1 rotated at a base of its own (the config's global one is 10,000).
+    "granite_swa": dict(_MULTIPLIERS, layer_rope_theta=[0.0, 100.0]),
 }
 
 
@@ -741,8 +743,8 @@ def test_each_layer_gets_the_mask_its_family_forward_gives_it(model_type, attent
 
 
 @pytest.mark.parametrize("model_type", ["afmoe", "cohere", "cohere2", "cohere2_moe", "gemma2", "gemma3_text",
-                                        "granite", "granitemoe", "granitemoeshared", "hyperclovax", "minicpm3",
-                                        "nanochat", "vaultgemma"])
+                                        "granite", "granitemoe", "granitemoeshared", "granite_swa", "hyperclovax",
+                                        "minicpm3", "nanochat", "vaultgemma"])
 def test_families_that_scale_in_forward_get_their_scales(model_type):
     """Their forward scales embeddings or logits (or caps the logits) beyond the modules: a stage's logits
     equal the forward's with the scales `ForwardScales.of` reads, and differ without them, so that the
@@ -1000,11 +1002,12 @@ def _stages_in_turn(model, counts, x):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "gemma3_text", "cohere2", "olmo3", "gpt_oss", "granite",
-                                        "hyperclovax", "afmoe", "cohere", "minicpm3", "mistral", "nanochat"])
+                                        "hyperclovax", "afmoe", "cohere", "minicpm3", "mistral", "nanochat",
+                                        "granite_swa"])
 def test_stages_in_turn_compute_the_family_forward(model_type):
     """The family tests run every layer on one stage; split in two, the second stage must still give each
     layer the mask and rotary tables of its own kind (config.layer_types[i] of its index in the whole model,
-    not in the stage), and the first stage the embedding scale (or NanoChat's norm) the family's forward applies
+    not in the stage; GraniteSWA's of its own RoPE base), and the first stage the embedding scale (or NanoChat's norm) the family's forward applies
     (the last one the logit scale), or a multi-rank run trains another function than the model's."""
     if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
@@ -1071,12 +1074,12 @@ def test_embedding_multipliers_below_one_are_applied(model_type):
         torch.testing.assert_close(parts.forward(x), model(x).logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "granite_swa"])
 def test_each_layer_gets_the_positions_and_rotary_tables_its_family_forward_gives_it(model_type):
     """The very position ids and (cos, sin) tables, not only ones that compute nearly the same: RoPE depends
     on relative positions only, so positions shifted by one change the loss by rounding alone, yet rotary
     scalings that read the positions (dynamic NTK, longrope) then compute another function. Gemma 3 gives
-    each layer the tables of its own kind."""
+    each layer the tables of its own kind, GraniteSWA those of its own RoPE base, or none."""
     if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma's layers take two rotary tables of their own before transformers 5")
     model = _family(model_type, windows=model_type != "llama")
@@ -1085,8 +1088,47 @@ def test_each_layer_gets_the_positions_and_rotary_tables_its_family_forward_give
     own, stage = _layer_inputs(model, "position_ids", "position_embeddings")
     for index, ((want_ids, want_tables), (ids, tables)) in enumerate(zip(own, stage)):
         assert torch.equal(ids.expand_as(want_ids), want_ids), f"layer {index}: position ids {ids}, not {want_ids}"
-        for got, want in zip(tables, want_tables):
+        assert (tables is None) == (want_tables is None), f"layer {index}: rotary tables {tables}, not {want_tables}"
+        for got, want in zip(tables or (), want_tables or ()):
             assert torch.equal(got.expand_as(want), want), f"layer {index}: other rotary tables"
+
+
+def test_granite_swa_layers_take_the_rotary_tables_of_their_own_base_on_a_model_built_on_meta():
+    """GraniteSWA keeps a rotary embedding for each RoPE base its layers take (0: none) besides the unused global
+    one. A Pipeline making it from meta must compute each one's tables at its own base (remade from the model's
+    config, all would rotate at the global one), and two stages must each give their layers their own."""
+    import transformers
+
+    family = _family("granite_swa", num_hidden_layers=4, layer_rope_theta=[100.0, 0.0, 5000.0, 100.0])
+    if family is None:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no granite_swa")
+    config = family.config
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    pipe = pp.Pipeline(model, num_microbatches=2, device="cpu")
+    ref = transformers.AutoModelForCausalLM.from_config(config).float()
+    assert len(ref.model.rotary_embs) == 2
+    for made, want in zip(pipe.model.model.rotary_embs, ref.model.rotary_embs):
+        torch.testing.assert_close(made.inv_freq, want.inv_freq, rtol=0, atol=0)
+    ref.load_state_dict(pipe.model.state_dict())
+    x, y = make_batch(4, 8, num_microbatches=2, vocab=config.vocab_size)
+    ref_loss = full_loss(ref, x, y)
+    ref_loss.backward()
+    assert pipe.step(x, y) == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert_grads_close(grads(pipe.model), grads(ref), set(grads(ref)), what="GraniteSWA made by the pipeline")
+    with torch.no_grad():
+        torch.testing.assert_close(_stages_in_turn(ref, [2, 2], x), ref(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_granite_swa_config_naming_a_base_its_model_has_no_rotary_embedding_for_is_refused():
+    """Its forward would fail on the missing tables (a KeyError); a stage must not rotate that layer otherwise."""
+    model = _family("granite_swa")
+    if model is None:
+        pytest.skip(f"transformers {TRANSFORMERS_VERSION} has no granite_swa")
+    model.config.layer_rope_theta = [0.0, 200.0]
+    with pytest.raises(ValueError, match=r"config.layer_rope_theta\[1\] is 200.0, but model.model.rotary_embs holds "
+                                         r"no rotary embedding of that base \(was the config changed"):
+        pp.Pipeline(model, num_microbatches=2, device="cpu")
 
 
 def test_a_buffer_the_models_init_weights_does_not_make_is_refused():

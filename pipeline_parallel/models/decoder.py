@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .families import ForwardScales, attention_kind, causal_mask, norms_embeddings, rotary_takes_layer_type
+from .families import (ForwardScales, attention_kind, causal_mask, layer_rotary, norms_embeddings,
+                       rotary_takes_layer_type)
 
 
 @dataclass
@@ -19,12 +20,15 @@ class DecoderParts:
     unpipelined run, and registers none of its own, and does between them what the family's forward
     does (`scales`, per-layer masks and rotary tables). `embed_tokens` is set on the first stage only,
     `norm` and `lm_head` on the last only; `embedding_norm`, the same norm, on the first stage of a family
-    whose forward also norms the embeddings (`norms_embeddings`).
+    whose forward also norms the embeddings (`norms_embeddings`). `layer_rotaries` names, layer by layer, the
+    rotary embedding whose tables the layer takes (`layer_rotary`): `rotary_emb` but in families with one
+    per RoPE base, None for a layer without positions.
     """
 
     config: object
     rotary_emb: nn.Module
     layers: list[tuple[int, nn.Module]]
+    layer_rotaries: list[tuple[str, nn.Module] | None]
     embed_tokens: nn.Module | None = None
     norm: nn.Module | None = None
     lm_head: nn.Module | None = None
@@ -42,6 +46,7 @@ class DecoderParts:
             config=model.config,
             rotary_emb=model.model.rotary_emb,
             layers=owned,
+            layer_rotaries=[layer_rotary(model, i) for i in layer_indices],
             embed_tokens=model.model.embed_tokens if first else None,
             norm=model.model.norm if last else None,
             lm_head=model.lm_head if last else None,
@@ -52,7 +57,7 @@ class DecoderParts:
 
     def named_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules this stage runs, under their names in the model."""
-        parts = [("model.embed_tokens", self.embed_tokens), ("model.rotary_emb", self.rotary_emb),
+        parts = [("model.embed_tokens", self.embed_tokens), *self.rotaries(),
                  *((f"model.layers.{i}", layer) for i, layer in self.layers),
                  ("model.norm", self.norm if self.norm is not None else self.embedding_norm),
                  ("lm_head", self.lm_head)]
@@ -60,7 +65,12 @@ class DecoderParts:
 
     def modules(self) -> list[nn.Module]:
         """The modules with parameters this stage owns."""
-        return [module for name, module in self.named_modules() if name != "model.rotary_emb"]
+        rotaries = dict(self.rotaries())
+        return [module for name, module in self.named_modules() if name not in rotaries]
+
+    def rotaries(self) -> list[tuple[str, nn.Module]]:
+        """The rotary embeddings the stage runs, by name: tables of no weights, computed in float32."""
+        return list({"model.rotary_emb": self.rotary_emb, **dict(filter(None, self.layer_rotaries))}.items())
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of `modules()`, each once (a tied embedding and head are one)."""
@@ -84,17 +94,22 @@ class DecoderParts:
                 hidden = self.embedding_norm(hidden)
         seq_len = hidden.shape[1]
         position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-        per_kind = rotary_takes_layer_type(type(self.rotary_emb))  # rotary tables of each kind's own (Gemma 3)
-        shared = None if per_kind else self.rotary_emb(hidden, position_ids)
-        inputs: dict[str, tuple] = {}  # (mask, rotary tables) for each attention kind the stage's layers use
-        for index, layer in self.layers:
+        masks: dict[str, object] = {}  # for each attention kind the stage's layers use
+        tables: dict[tuple, object] = {}  # for each rotary embedding they use, and kind where its tables differ by kind
+        for (index, layer), rotary in zip(self.layers, self.layer_rotaries):
             kind = attention_kind(self.config, index)
-            if kind not in inputs:
-                inputs[kind] = (causal_mask(self.config, hidden, position_ids, sliding=kind == "sliding_attention"),
-                                self.rotary_emb(hidden, position_ids, kind) if per_kind else shared)
-            mask, position_embeddings = inputs[kind]
+            if kind not in masks:
+                masks[kind] = causal_mask(self.config, hidden, position_ids, sliding=kind == "sliding_attention")
+            position_embeddings = None  # for a layer without positions
+            if rotary is not None:
+                name, module = rotary
+                per_kind = rotary_takes_layer_type(type(module))  # tables of each kind's own (Gemma 3)
+                key = (name, kind if per_kind else None)
+                if key not in tables:
+                    tables[key] = module(hidden, position_ids, kind) if per_kind else module(hidden, position_ids)
+                position_embeddings = tables[key]
             hidden = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
             )
             if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
                 hidden = hidden[0]

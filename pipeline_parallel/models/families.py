@@ -48,7 +48,8 @@ class ForwardScales:
 # (embedding, layers, norm, head) but what `_FORWARD_SCALES` says, checked against the unpipelined model by
 # the tests, each with how that forward picks a layer's attention mask: "causal" (every layer, whatever the
 # config says of windows), "window" (every layer sliding-window when config.sliding_window is set) or
-# "layer_types" (layer i as config.layer_types[i] says; the rotary tables too where they differ by kind).
+# "layer_types" (layer i as config.layer_types[i] says; the rotary tables too where they differ by kind, and by
+# each layer's RoPE base in GraniteSWA, `layer_rotary`).
 # Others do more in forward: other masks or inputs for some layers (Llama 4's chunks, hybrids of attention and
 # linear attention).
 SUPPORTED_MODEL_TYPES = {
@@ -62,7 +63,7 @@ SUPPORTED_MODEL_TYPES = {
     **dict.fromkeys(("mistral", "mixtral", "qwen3_moe", "starcoder2", "ministral3", "phi3", "phimoe"), "window"),
     **dict.fromkeys(("qwen2", "qwen2_moe", "qwen3", "afmoe", "cohere2", "cohere2_moe", "cwm", "exaone4", "exaone_moe",
                      "flint", "gemma2", "gemma3_text", "gpt_oss", "kolibri1", "laguna", "mellum", "mimo_v2_flash",
-                     "ministral", "olmo3", "smollm3", "vaultgemma"), "layer_types"),
+                     "granite_swa", "ministral", "olmo3", "smollm3", "vaultgemma"), "layer_types"),
 }
 # What some of them do in forward to the embeddings or logits, read where their forward reads it.
 # (A divisor is taken as a multiplier: the logits may differ from the forward's in their last bit.)
@@ -72,7 +73,7 @@ _FORWARD_SCALES = {
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda model: ForwardScales(logits=model.logit_scale)),
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma"),
                     lambda model: ForwardScales(softcap=model.config.final_logit_softcapping)),
-    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared"), lambda model: ForwardScales(
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granite_swa"), lambda model: ForwardScales(
         embedding=model.model.embedding_multiplier, logits=1 / model.config.logits_scaling)),
     "hyperclovax": lambda model: ForwardScales(embedding=model.model.embedding_multiplier,
                                                logits=model.config.logits_scaling),
@@ -203,6 +204,23 @@ def _scales_embeddings_outside(model: nn.Module) -> bool:
 def norms_embeddings(model: nn.Module) -> bool:
     """Whether the family's forward passes the embeddings through the final norm too (NanoChat's)."""
     return _model_type(model.config) in _NORMED_EMBEDDINGS
+
+
+def layer_rotary(model: nn.Module, layer_idx: int) -> tuple[str, nn.Module] | None:
+    """The rotary embedding (its name in the model, itself) whose tables decoder layer `layer_idx` takes, as the
+    family's forward picks it: `model.rotary_emb`, but for GraniteSWA, whose forward keeps one in
+    `model.rotary_embs` for each RoPE base in config.layer_rope_theta and gives a layer whose base is 0 none."""
+    if _model_type(model.config) != "granite_swa":
+        return "model.rotary_emb", model.model.rotary_emb
+    theta = model.config.layer_rope_theta[layer_idx]
+    if not theta:
+        return None
+    for j, rotary in enumerate(model.model.rotary_embs):  # by the base its config holds, as the forward keys them
+        if rotary.config.rope_parameters["rope_theta"] == theta:
+            return f"model.rotary_embs.{j}", rotary
+    raise ValueError(f"config.layer_rope_theta[{layer_idx}] is {theta}, but model.model.rotary_embs holds no rotary "
+                     "embedding of that base (was the config changed after the model was built?): build the model "
+                     "from the config it is to train with")
 
 
 def attention_kind(config, layer_idx: int) -> str:

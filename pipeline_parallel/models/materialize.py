@@ -102,9 +102,9 @@ def shared_parameters(model: nn.Module) -> list[list[str]]:
 
 
 def _rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's rotary embedding, and the other modules of its type: before transformers 5 some families
-    (StableLM, Qwen2-MoE) give each attention a copy that their forward does not call. Tables no checkpoint
-    holds, computed from the config."""
+    """The model's rotary embedding, and the other modules of its type: GraniteSWA's, one for each RoPE base its
+    layers take, and the copies some families give each attention before transformers 5 (StableLM, Qwen2-MoE),
+    which their forward does not call. Tables no checkpoint holds, computed from each one's config."""
     kind = type(model.model.rotary_emb)
     return [(name, module) for name, module in model.named_modules() if type(module) is kind]
 
@@ -187,4 +187,5 @@ def materialize(model: nn.Module, device: torch.device, seed: int = 0, init_weig
             rotary.reset_inv_freq(device)
         else:
             with torch.device(device):  # HF rotary tables are computed in __init__
-                replace_by_name(model, name, type(rotary)(config=model.config))
+                # From its own config: GraniteSWA's each hold another RoPE base
+                replace_by_name(model, name, type(rotary)(config=getattr(rotary, "config", None) or model.config))
