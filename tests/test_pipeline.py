@@ -573,13 +573,20 @@ def test_a_family_that_makes_parameters_outside_the_meta_device_is_told_what_to_
     pipe = pp.Pipeline(model.to("meta"), num_microbatches=2, device="cpu")
     lambdas = torch.stack([p for name, p in pipe.model.named_parameters() if ".lambda_" in name])
     assert lambdas.isfinite().all() and lambdas.std() > config.lambda_std_dev / 4  # drawn, not zeros or NaN
-    ref = transformers.AutoModelForCausalLM.from_config(config).float()
+    _steps_as_the_same_weights(pipe, transformers.AutoModelForCausalLM.from_config(config).float(),
+                               what="DiffLlama made by the pipeline")
+
+
+def _steps_as_the_same_weights(pipe, ref, what: str) -> torch.Tensor:
+    """Give `ref`, the whole model built normally, the weights a one-rank `pipe` made, step both on one batch, and
+    check the pipeline's loss and gradients against `ref`'s own forward and backward; returns the batch's inputs."""
     ref.load_state_dict(pipe.model.state_dict())
-    x, y = make_batch(4, 8, num_microbatches=2, vocab=config.vocab_size)
+    x, y = make_batch(4, 8, num_microbatches=2, vocab=ref.config.vocab_size)
     ref_loss = full_loss(ref, x, y)
     ref_loss.backward()
     assert pipe.step(x, y) == pytest.approx(ref_loss.item(), abs=1e-5)
-    assert_grads_close(grads(pipe.model), grads(ref), set(grads(ref)), what="DiffLlama made by the pipeline")
+    assert_grads_close(grads(pipe.model), grads(ref), set(grads(ref)), what=what)
+    return x
 
 
 @pytest.mark.skipif(TRANSFORMERS_MAJOR >= 5, reason="transformers 5 scales Gemma's embeddings in the embedding module")
@@ -1110,12 +1117,7 @@ def test_granite_swa_layers_take_the_rotary_tables_of_their_own_base_on_a_model_
     assert len(ref.model.rotary_embs) == 2
     for made, want in zip(pipe.model.model.rotary_embs, ref.model.rotary_embs):
         torch.testing.assert_close(made.inv_freq, want.inv_freq, rtol=0, atol=0)
-    ref.load_state_dict(pipe.model.state_dict())
-    x, y = make_batch(4, 8, num_microbatches=2, vocab=config.vocab_size)
-    ref_loss = full_loss(ref, x, y)
-    ref_loss.backward()
-    assert pipe.step(x, y) == pytest.approx(ref_loss.item(), abs=1e-5)
-    assert_grads_close(grads(pipe.model), grads(ref), set(grads(ref)), what="GraniteSWA made by the pipeline")
+    x = _steps_as_the_same_weights(pipe, ref, what="GraniteSWA made by the pipeline")
     with torch.no_grad():
         torch.testing.assert_close(_stages_in_turn(ref, [2, 2], x), ref(x).logits, atol=1e-5, rtol=1e-5)
 
