@@ -1014,8 +1014,9 @@ def _stages_in_turn(model, counts, x):
 def test_stages_in_turn_compute_the_family_forward(model_type):
     """The family tests run every layer on one stage; split in two, the second stage must still give each
     layer the mask and rotary tables of its own kind (config.layer_types[i] of its index in the whole model,
-    not in the stage; GraniteSWA's of its own RoPE base), and the first stage the embedding scale (or NanoChat's norm) the family's forward applies
-    (the last one the logit scale), or a multi-rank run trains another function than the model's."""
+    not in the stage; GraniteSWA's of its own RoPE base), and the first stage the embedding scale (or NanoChat's
+    norm) the family's forward applies (the last one the logit scale), or a multi-rank run trains another
+    function than the model's."""
     if model_type.startswith("gemma") and TRANSFORMERS_MAJOR < 5:
         pytest.skip("Gemma scales its embeddings in forward before transformers 5 (refused)")
     model = _family(model_type, windows=True)  # layer 0 slides over 3 tokens, layer 1 attends to all

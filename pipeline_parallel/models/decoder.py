@@ -21,12 +21,11 @@ class DecoderParts:
     does (`scales`, per-layer masks and rotary tables). `embed_tokens` is set on the first stage only,
     `norm` and `lm_head` on the last only; `embedding_norm`, the same norm, on the first stage of a family
     whose forward also norms the embeddings (`norms_embeddings`). `layer_rotaries` names, layer by layer, the
-    rotary embedding whose tables the layer takes (`layer_rotary`): `rotary_emb` but in families with one
+    rotary embedding whose tables the layer takes (`layer_rotary`): `model.rotary_emb` but in families with one
     per RoPE base, None for a layer without positions.
     """
 
     config: object
-    rotary_emb: nn.Module
     layers: list[tuple[int, nn.Module]]
     layer_rotaries: list[tuple[str, nn.Module] | None]
     embed_tokens: nn.Module | None = None
@@ -44,7 +43,6 @@ class DecoderParts:
         owned = [(i, layers[i] if isinstance(layers, nn.ModuleList) else layers[str(i)]) for i in layer_indices]
         return cls(
             config=model.config,
-            rotary_emb=model.model.rotary_emb,
             layers=owned,
             layer_rotaries=[layer_rotary(model, i) for i in layer_indices],
             embed_tokens=model.model.embed_tokens if first else None,
@@ -70,7 +68,7 @@ class DecoderParts:
 
     def rotaries(self) -> list[tuple[str, nn.Module]]:
         """The rotary embeddings the stage runs, by name: tables of no weights, computed in float32."""
-        return list({"model.rotary_emb": self.rotary_emb, **dict(filter(None, self.layer_rotaries))}.items())
+        return list(dict(filter(None, self.layer_rotaries)).items())
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of `modules()`, each once (a tied embedding and head are one)."""
